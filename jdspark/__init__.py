@@ -1,0 +1,1 @@
+"""jdspark: the DSpark block-diffusion drafter and the fused, jitted draft-verify loop."""

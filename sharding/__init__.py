@@ -1,0 +1,1 @@
+"""sharding: meshes, logical-axis rules, expert-parallel MoE, multi-host helpers."""
