@@ -11,3 +11,7 @@ Shape-suffix glossary (array names end in the letters of their axes):
 from kimi.config import KimiConfig
 
 __all__ = ["KimiConfig"]
+from kimi.cache import KimiCache  # noqa: E402
+from kimi.model import KimiForCausalLM, ModelOut  # noqa: E402
+
+__all__ += ["KimiCache", "KimiForCausalLM", "ModelOut"]

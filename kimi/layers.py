@@ -1,0 +1,372 @@
+"""Flax NNX modules of the Kimi target. Attribute paths mirror the official checkpoint names
+(``self_attn.q_proj``, ``block_sparse_moe.experts``...), so checkpoint I/O is a table, not a translation.
+
+Linear kernels are stored as ``[in, out]`` (x @ kernel); the checkpoint's ``weight`` is its transpose.
+Routed experts keep the checkpoint's ``[E, out, in]`` layout, dense or MXFP4-packed (codes + E8M0 scales).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kimi import mxfp4
+from kimi.config import KimiConfig
+from kimi.ops import kda as kda_ops
+from kimi.ops import mla as mla_ops
+from kimi.ops import moe as moe_ops
+from kimi.ops.activations import glu
+from kimi.ops.norms import rms_norm
+
+_INIT_STD = 0.02
+
+
+class Packed(nnx.Variable):
+    """Quantised storage (MXFP4 codes and scales): not a trainable parameter."""
+
+
+_ABSTRACT = [False]
+
+
+@contextlib.contextmanager
+def shape_only_init():
+    """Inside ``jax.eval_shape``: initialise every parameter with zeros and draw no random keys, so tracing a
+    93-layer model stays linear in its size (each RNG draw would otherwise walk the whole trace)."""
+    _ABSTRACT.append(True)
+    try:
+        yield
+    finally:
+        _ABSTRACT.pop()
+
+
+def normal_init(rngs: nnx.Rngs, shape, dtype, std: float = _INIT_STD):
+    if _ABSTRACT[-1] or std == 0.0:
+        return jnp.zeros(shape, dtype)
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def uniform_init(rngs: nnx.Rngs, shape, dtype, lo: float, hi: float):
+    if _ABSTRACT[-1]:
+        return jnp.full(shape, lo, dtype)
+    return jax.random.uniform(rngs.params(), shape, dtype, lo, hi)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, no bias; kernel [in, out]."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, std: float = _INIT_STD):
+        self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), dtype, std))
+
+    def __call__(self, x):
+        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]."""
+
+    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(normal_init(rngs, (num_embeddings, features), dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kimi Delta Attention
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDAOut:
+    y_BTD: jax.Array
+    state_BHKV: jax.Array
+    conv_BWC: jax.Array
+    states_BTHKV: Optional[jax.Array] = None  # verify only: the recurrent state after every position
+    convs_BTWC: Optional[jax.Array] = None  # verify only: the conv state after every position
+
+
+class KimiDeltaAttention(nnx.Module):
+    """Gated delta rule with channel-wise decay, short conv on q/k/v, gated RMSNorm output."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        D, H, K, P = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
+        dt = cfg.dtype
+        self.cfg = cfg
+        self.q_proj = Linear(D, P, dtype=dt, rngs=rngs)
+        self.k_proj = Linear(D, P, dtype=dt, rngs=rngs)
+        self.v_proj = Linear(D, P, dtype=dt, rngs=rngs)
+        cs, Kc = 1.0 / cfg.short_conv_kernel_size, cfg.short_conv_kernel_size
+        self.q_conv1d = nnx.Param(normal_init(rngs, (P, Kc), jnp.float32, cs))
+        self.k_conv1d = nnx.Param(normal_init(rngs, (P, Kc), jnp.float32, cs))
+        self.v_conv1d = nnx.Param(normal_init(rngs, (P, Kc), jnp.float32, cs))
+        self.f_a_proj = Linear(D, K, dtype=dt, rngs=rngs)
+        self.f_b_proj = Linear(K, P, dtype=dt, rngs=rngs)
+        self.A_log = nnx.Param(jnp.log(uniform_init(rngs, (H,), jnp.float32, 1.0, 16.0)))
+        self.dt_bias = nnx.Param(normal_init(rngs, (P,), jnp.float32, 0.1))
+        self.b_proj = Linear(D, H, dtype=dt, rngs=rngs)
+        if cfg.kda_use_full_rank_gate:
+            self.g_proj = Linear(D, P, dtype=dt, rngs=rngs)
+        else:
+            self.g_a_proj = Linear(D, K, dtype=dt, rngs=rngs)
+            self.g_b_proj = Linear(K, P, dtype=dt, rngs=rngs)
+        self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
+        self.o_proj = Linear(P, D, dtype=dt, rngs=rngs)
+
+    def conv_weight_CK(self):
+        """q, k and v conv kernels side by side: [3P, kernel]."""
+        return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
+
+    def __call__(self, x_BTD, state_BHKV, conv_BWC, mode: str) -> KDAOut:
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        H, K, P = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
+        qkv_BTC = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
+        w_CK = self.conv_weight_CK()
+        convs = None
+        if mode == "verify":
+            qkv_BTC, conv_BWC, convs = kda_ops.causal_conv(qkv_BTC, w_CK, conv_BWC, return_all_states=True)
+        else:
+            qkv_BTC, conv_BWC = kda_ops.causal_conv(qkv_BTC, w_CK, conv_BWC)
+        q, k, v = jnp.split(qkv_BTC.astype(jnp.float32), 3, axis=-1)
+        q = kda_ops.l2norm(q.reshape(B, T, H, K))
+        k = kda_ops.l2norm(k.reshape(B, T, H, K))
+        v = v.reshape(B, T, H, K)
+        a_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).astype(jnp.float32).reshape(B, T, H, K)
+        A_log_H = self.A_log[...][:H]
+        dt_bias_HK = self.dt_bias[...].reshape(H, K)
+        if cfg.kda_gate_lower_bound is None:
+            g = kda_ops.kda_gate_softplus(a_BTHK, A_log_H, dt_bias_HK)
+        else:
+            g = kda_ops.kda_gate_lower_bound(a_BTHK, A_log_H, dt_bias_HK, cfg.kda_gate_lower_bound)
+        beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        states = None
+        if mode == "prefill":
+            o, state_BHKV = kda_ops.kda_chunked(q, k, v, g, beta_BTH, state_BHKV, chunk_size=cfg.kda_chunk_size)
+        elif mode == "verify":
+            o, state_BHKV, states = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV, return_all_states=True)
+        elif mode == "decode":  # one token per row
+            o, state_BHKV = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV)
+            o = o[:, None]
+        else:
+            raise ValueError(f"mode: expected 'prefill', 'decode' or 'verify', got {mode!r}")
+        if cfg.kda_use_full_rank_gate:
+            gate = self.g_proj(x_BTD)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x_BTD))
+        y = kda_ops.gated_rms_norm(o, gate.astype(jnp.float32).reshape(B, T, H, K), self.o_norm.weight[...],
+                                   cfg.rms_norm_eps)
+        y_BTD = self.o_proj(y.reshape(B, T, P).astype(x_BTD.dtype))
+        return KDAOut(y_BTD, state_BHKV, conv_BWC, states, convs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gated NoPE MLA
+class GatedMLA(nnx.Module):
+    """MLA with q LoRA, a latent KV cache of (kv_lora_rank + rope) values per token and a sigmoid output gate."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        dt = cfg.dtype
+        self.cfg = cfg
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(D, H * cfg.qk_head_dim, dtype=dt, rngs=rngs)
+        else:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype=dt, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_lora_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, dtype=dt, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dt, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_lora_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype=dt, rngs=rngs)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, dtype=dt, rngs=rngs)
+        if cfg.mla_use_output_gate:
+            self.g_proj = Linear(D, H * cfg.v_head_dim, dtype=dt, rngs=rngs)
+
+    def __call__(self, x_BTD, ckv_BSL, kpe_BSR, length_B, absorbed: bool):
+        """Writes this chunk's latents at [length, length + T) and attends over the cache. Returns
+        (y_BTD, ckv_BSL, kpe_BSR)."""
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        H, N, R, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q = q.reshape(B, T, H, N + R)
+        q_nope, q_pe = q[..., :N], q[..., N:]
+        kv_a = self.kv_a_proj_with_mqa(x_BTD)
+        ckv_new = self.kv_a_layernorm(kv_a[..., :L])
+        kpe_new = kv_a[..., L:]
+        pos_BT = length_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        if not cfg.mla_use_nope and R:
+            q_pe = mla_ops.rope_neox(q_pe, pos_BT, cfg.rope_theta)
+            kpe_new = mla_ops.rope_neox(kpe_new, pos_BT, cfg.rope_theta)
+        write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0)))
+        ckv_BSL = write(ckv_BSL, ckv_new, length_B)
+        kpe_BSR = write(kpe_BSR, kpe_new, length_B)
+        attend = mla_ops.mla_attend_absorbed if absorbed else mla_ops.mla_attend_unabsorbed
+        o_BTHV = attend(q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T,
+                        cfg.v_head_dim)
+        o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
+        if cfg.mla_use_output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32))
+        return self.o_proj(o.astype(x_BTD.dtype)), ckv_BSL, kpe_BSR
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Feed-forward
+class DenseMLP(nnx.Module):
+    """down(act(gate(x), up(x))): layer 0's dense MLP and the shared experts."""
+
+    def __init__(self, cfg: KimiConfig, hidden: int, *, rngs: nnx.Rngs):
+        D, dt = cfg.hidden_size, cfg.dtype
+        self.cfg = cfg
+        self.gate_proj = Linear(D, hidden, dtype=dt, rngs=rngs)
+        self.up_proj = Linear(D, hidden, dtype=dt, rngs=rngs)
+        self.down_proj = Linear(hidden, D, dtype=dt, rngs=rngs)
+
+    def __call__(self, x):
+        c = self.cfg
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), c.hidden_act, c.activation_situ_beta,
+                                  c.activation_situ_linear_beta))
+
+
+class Router(nnx.Module):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal_init(rngs, (cfg.num_experts, cfg.hidden_size), jnp.float32))
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
+
+    def logits(self, x_TD):
+        return jnp.dot(x_TD.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
+
+
+class RoutedExperts(nnx.Module):
+    """E experts, each W2 act(W1 z, W3 z), in the checkpoint's [E, out, in] layout: dense Params, or MXFP4
+    codes [E, out, in/2] + E8M0 scales [E, out, in/32] dequantised only for the experts a token routes to."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        E, F, Din = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim
+        self.cfg = cfg
+        shapes = {"w1": (E, F, Din), "w3": (E, F, Din), "w2": (E, Din, F)}
+        for name, shape in shapes.items():
+            if cfg.expert_format == "mxfp4" and _ABSTRACT[-1]:
+                packed = jnp.zeros(shape[:-1] + (shape[-1] // 2,), jnp.uint8)
+                scale = jnp.zeros(shape[:-1] + (shape[-1] // mxfp4.BLOCK_SIZE,), jnp.uint8)
+                setattr(self, f"{name}_packed", Packed(packed))
+                setattr(self, f"{name}_scale", Packed(scale))
+                continue
+            w = normal_init(rngs, shape, jnp.float32)
+            if cfg.expert_format == "mxfp4":
+                packed, scale = mxfp4.quantize(w)
+                setattr(self, f"{name}_packed", Packed(packed))
+                setattr(self, f"{name}_scale", Packed(scale))
+            else:
+                setattr(self, name, nnx.Param(w.astype(cfg.dtype)))
+
+    def weight(self, name: str, idx=None, dtype=jnp.float32):
+        """The dense [E, out, in] weight (or [..., out, in] for the experts in ``idx``)."""
+        if self.cfg.expert_format == "mxfp4":
+            packed = getattr(self, f"{name}_packed")[...]
+            scale = getattr(self, f"{name}_scale")[...]
+            if idx is not None:
+                packed, scale = packed[idx], scale[idx]
+            return mxfp4.dequantize(packed, scale, dtype=dtype)
+        w = getattr(self, name)[...]
+        return (w if idx is None else w[idx]).astype(dtype)
+
+    def __call__(self, z_TD, w_TX, idx_TX):
+        c = self.cfg
+        T, X = idx_TX.shape
+        act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+        if T * X < c.num_experts:  # few rows: touch only the routed experts
+            return moe_ops.experts_gathered(z_TD, w_TX, self.weight("w1", idx_TX, z_TD.dtype),
+                                            self.weight("w3", idx_TX, z_TD.dtype),
+                                            self.weight("w2", idx_TX, z_TD.dtype), *act)
+        return moe_ops.experts_grouped(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
+                                       self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype), *act)
+
+
+class LatentMoE(nnx.Module):
+    """Router on x; routed experts in the latent space (down, experts, latent RMSNorm, up); shared experts on x.
+    With routed_expert_hidden_size None it is a plain MoE (Kimi-Linear)."""
+
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        D, dt = cfg.hidden_size, cfg.dtype
+        self.cfg = cfg
+        self.gate = Router(cfg, rngs=rngs)
+        if cfg.routed_expert_hidden_size is not None:
+            Lat = cfg.routed_expert_hidden_size
+            self.routed_expert_down_proj = Linear(D, Lat, dtype=dt, rngs=rngs)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(Lat, cfg.rms_norm_eps)
+            self.routed_expert_up_proj = Linear(Lat, D, dtype=dt, rngs=rngs)
+        self.experts = RoutedExperts(cfg, rngs=rngs)
+        if cfg.num_shared_experts:
+            self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts, rngs=rngs)
+
+    def route(self, x_TD):
+        c = self.cfg
+        return moe_ops.route(self.gate.logits(x_TD), self.gate.e_score_correction_bias[...], c.num_experts_per_token,
+                             c.num_expert_group, c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
+
+    def __call__(self, x_BTD):
+        c = self.cfg
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        w_TX, idx_TX = self.route(x_TD)
+        z = x_TD
+        if c.routed_expert_hidden_size is not None:
+            z = self.routed_expert_down_proj(x_TD)
+        y = self.experts(z, w_TX, idx_TX)
+        if c.routed_expert_hidden_size is not None:
+            if c.latent_moe_use_norm:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if c.num_shared_experts:
+            y = y + self.shared_experts(x_TD)
+        return y.reshape(B, T, D)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoder layer
+def attn_res_pseudo_query(norm: RMSNorm, proj: Linear):
+    """w = norm.weight * proj.weight: the norm gain folded into the site's pseudo-query (fp32)."""
+    return norm.weight[...].astype(jnp.float32) * proj.kernel[...][:, 0].astype(jnp.float32)
+
+
+def attn_res_site(cfg: KimiConfig, *, rngs: nnx.Rngs):
+    """(norm, proj) of one AttnRes site; the pseudo-query starts at zero, so the weights start uniform."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps), Linear(cfg.hidden_size, 1, dtype=jnp.float32, rngs=rngs,
+                                                                std=0.0)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: KimiConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.kind = cfg.layer_kinds[layer_idx]
+        D = cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.self_attn = KimiDeltaAttention(cfg, rngs=rngs) if self.kind == "kda" else GatedMLA(cfg, rngs=rngs)
+        if cfg.ffn_kinds[layer_idx] == "dense":
+            self.mlp = DenseMLP(cfg, cfg.intermediate_size, rngs=rngs)
+        else:
+            self.block_sparse_moe = LatentMoE(cfg, rngs=rngs)
+        if cfg.attn_res_block_size is not None:
+            self.self_attention_res_norm, self.self_attention_res_proj = attn_res_site(cfg, rngs=rngs)
+            self.mlp_res_norm, self.mlp_res_proj = attn_res_site(cfg, rngs=rngs)
+
+    def ffn(self, x):
+        return self.mlp(x) if self.cfg.ffn_kinds[self.layer_idx] == "dense" else self.block_sparse_moe(x)

@@ -1,0 +1,225 @@
+"""KimiForCausalLM: prefill, decode and verify over a KimiCache, returning logits, the new cache and hidden taps.
+
+Depth mixing (K3, Block AttnRes; the official ``_apply_attn_res`` order):
+  prefix = embed(tokens); blocks = []
+  for layer i:
+    h = AttnRes(prefix, blocks; w_attn_i) if blocks else prefix        <- tap i (the input of layer i)
+    if i % block_size == 0: blocks.append(prefix); prefix = None       (seal a block)
+    a = mixer_i(input_layernorm_i(h));      prefix = a if prefix is None else prefix + a
+    f = ffn_i(post_attention_layernorm_i(AttnRes(prefix, blocks; w_mlp_i)));   prefix = prefix + f
+  h = AttnRes(prefix, blocks; w_out)                                   <- tap L;  logits = lm_head(norm(h))
+Kimi-Linear (attn_res_block_size None) keeps the plain residual: h = h + mixer(norm(h)); h = h + ffn(norm(h)).
+
+The hot path is a jitted pure function of (graphdef, state, tokens, cache); the cache is donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from kimi.cache import KimiCache, select_verified
+from kimi.config import KimiConfig
+from kimi.layers import DecoderLayer, Embed, Linear, RMSNorm, attn_res_pseudo_query, attn_res_site
+from kimi.ops.attn_res import attn_res
+
+MODES = ("prefill", "decode", "verify")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ModelOut:
+    logits: jax.Array  # [B, T, V] fp32 ([B, V] from decode)
+    cache: KimiCache
+    taps: Optional[jax.Array] = None  # [B, T, n_taps * D]: hidden states at the requested tap layers
+    last_hidden: Optional[jax.Array] = None  # [B, T, D]: the final hidden state before the final norm
+    kda_states: Optional[jax.Array] = None  # verify: [n_kda, B, T, H, K, V], the state after every position
+    conv_states: Optional[jax.Array] = None  # verify: [n_kda, B, T, W, 3P]
+
+
+class KimiModel(nnx.Module):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.attn_res_block_size is not None:
+            self.output_attn_res_norm, self.output_attn_res_proj = attn_res_site(cfg, rngs=rngs)
+
+
+class KimiForCausalLM(nnx.Module):
+    def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.model = KimiModel(cfg, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype, rngs=rngs)
+
+    # -------------------------------------------------------------------------------------------- shared weights
+    @property
+    def embed_tokens(self) -> Embed:
+        return self.model.embed_tokens
+
+    def lm_head_DV(self):
+        """The output projection [D, V] (the transposed embedding when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits_from_hidden(self, h_BTD):
+        """lm_head(norm(h)) in fp32."""
+        hn = self.model.norm(h_BTD)
+        return jnp.dot(hn.astype(jnp.float32), self.lm_head_DV().astype(jnp.float32))
+
+    # -------------------------------------------------------------------------------------------- cache
+    def init_cache(self, batch_size: int = 1, max_len: int = 4096) -> KimiCache:
+        return KimiCache.init(self.config, batch_size, max_len)
+
+    # -------------------------------------------------------------------------------------------- the forward
+    def forward(self, tokens_BT, cache: KimiCache, *, mode: str, tap_layers: Sequence[int] = ()) -> ModelOut:
+        """Pure forward over ``tokens_BT`` appended at ``cache.length``; usable inside any jit."""
+        cfg = self.config
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        tap_layers = tuple(tap_layers)
+        for t in tap_layers:
+            if not 0 <= t <= cfg.num_hidden_layers:
+                raise ValueError(f"tap_layers: {t} outside 0..{cfg.num_hidden_layers}")
+        B, T = tokens_BT.shape
+        x_BTD = self.model.embed_tokens(tokens_BT).astype(cfg.dtype)
+        use_res = cfg.attn_res_block_size is not None
+        taps = {}
+        kda_state, conv_state = cache.kda_state, cache.conv_state
+        ckv, kpe = cache.mla_ckv, cache.mla_kpe
+        new_kda, new_conv, new_ckv, new_kpe, all_states, all_convs = [], [], [], [], [], []
+        if use_res:
+            blocks_BTND = jnp.zeros((B, T, cfg.num_attn_res_blocks, cfg.hidden_size), x_BTD.dtype)
+            n_blocks = 0
+            prefix = x_BTD
+        i_kda = i_mla = 0
+        for i, layer in enumerate(self.model.layers):
+            if use_res:
+                if n_blocks:
+                    w = attn_res_pseudo_query(layer.self_attention_res_norm, layer.self_attention_res_proj)
+                    h = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
+                else:
+                    h = prefix
+                if i % cfg.attn_res_block_size == 0:
+                    blocks_BTND = blocks_BTND.at[:, :, n_blocks].set(prefix)
+                    n_blocks += 1
+                    prefix = None
+            else:
+                h = x_BTD
+            if i in tap_layers:
+                taps[i] = h
+            hn = layer.input_layernorm(h)
+            if layer.kind == "kda":
+                out = layer.self_attn(hn, kda_state[i_kda], conv_state[i_kda], mode)
+                a = out.y_BTD
+                new_kda.append(out.state_BHKV)
+                new_conv.append(out.conv_BWC)
+                if mode == "verify":
+                    all_states.append(out.states_BTHKV)
+                    all_convs.append(out.convs_BTWC)
+                i_kda += 1
+            else:
+                a, c1, c2 = layer.self_attn(hn, ckv[i_mla], kpe[i_mla], cache.length, absorbed=mode != "prefill")
+                new_ckv.append(c1)
+                new_kpe.append(c2)
+                i_mla += 1
+            if use_res:
+                prefix = a if prefix is None else prefix + a
+                w = attn_res_pseudo_query(layer.mlp_res_norm, layer.mlp_res_proj)
+                h2 = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
+                prefix = prefix + layer.ffn(layer.post_attention_layernorm(h2))
+            else:
+                x_BTD = x_BTD + a
+                x_BTD = x_BTD + layer.ffn(layer.post_attention_layernorm(x_BTD))
+        if use_res:
+            w = attn_res_pseudo_query(self.model.output_attn_res_norm, self.model.output_attn_res_proj)
+            h = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
+        else:
+            h = x_BTD
+        L = cfg.num_hidden_layers
+        if L in tap_layers:
+            taps[L] = h
+        logits = self.logits_from_hidden(h)
+
+        def stack(xs, like):
+            return jnp.stack(xs) if xs else like
+
+        new_cache = KimiCache(
+            kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
+            mla_ckv=stack(new_ckv, ckv), mla_kpe=stack(new_kpe, kpe), length=cache.length + T)
+        out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,
+                       taps=jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None)
+        if mode == "verify":
+            nk = cfg.num_kda_layers
+            W, C = conv_state.shape[2], conv_state.shape[3]
+            H, K = cfg.kda_num_heads, cfg.kda_head_dim
+            out.kda_states = stack(all_states, jnp.zeros((nk, B, T, H, K, K), jnp.float32))
+            out.conv_states = stack(all_convs, jnp.zeros((nk, B, T, W, C), conv_state.dtype))
+        if mode == "decode":
+            out.logits = logits[:, 0]
+        return out
+
+    # -------------------------------------------------------------------------------------------- public API
+    def _check(self, tokens, cache: KimiCache, name: str):
+        """Host-side validation before any compute (skipped for traced arguments)."""
+        if isinstance(tokens, jax.core.Tracer) or isinstance(cache.length, jax.core.Tracer):
+            return
+        tok = np.asarray(tokens)
+        if not np.issubdtype(tok.dtype, np.integer):
+            raise ValueError(f"{name}: expected integer token ids, got dtype {tok.dtype}")
+        V = self.config.vocab_size
+        if tok.size and (tok.min() < 0 or tok.max() >= V):
+            bad = tok[(tok < 0) | (tok >= V)]
+            raise ValueError(f"{name}: token ids {bad[:8].tolist()} outside the vocabulary [0, {V})")
+        if tok.shape[0] != cache.batch_size:
+            raise ValueError(f"{name}: batch {tok.shape[0]} does not match the cache's batch {cache.batch_size}")
+        T = 1 if tok.ndim == 1 else tok.shape[1]
+        need = int(np.max(np.asarray(cache.length))) + T
+        if need > cache.max_len:
+            raise ValueError(f"{name}: {need} positions needed but the cache holds max_len={cache.max_len}; "
+                             f"allocate a larger cache with init_cache(max_len=...)")
+
+    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+        if np.ndim(tokens_BT) != 2:
+            raise ValueError(f"prefill: expected tokens [B, T], got shape {np.shape(tokens_BT)}")
+        self._check(tokens_BT, cache, "prefill")
+        return run_forward(self, jnp.asarray(tokens_BT, jnp.int32), cache, "prefill", tuple(tap_layers))
+
+    def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+        if np.ndim(token_B) != 1:
+            raise ValueError(f"decode: expected tokens [B], got shape {np.shape(token_B)}")
+        self._check(token_B, cache, "decode")
+        return run_forward(self, jnp.asarray(token_B, jnp.int32)[:, None], cache, "decode", tuple(tap_layers))
+
+    def verify(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+        if np.ndim(tokens_BT) != 2:
+            raise ValueError(f"verify: expected tokens [B, T], got shape {np.shape(tokens_BT)}")
+        self._check(tokens_BT, cache, "verify")
+        return run_forward(self, jnp.asarray(tokens_BT, jnp.int32), cache, "verify", tuple(tap_layers))
+
+    @staticmethod
+    def rollback(out: ModelOut, length_before_B, n_keep_B) -> KimiCache:
+        """The cache after keeping only the first ``n_keep`` verified positions (see cache.select_verified)."""
+        return select_verified(out.cache, out.kda_states, out.conv_states, jnp.asarray(length_before_B),
+                               jnp.asarray(n_keep_B))
+
+
+def _forward_pure(graphdef, state, tokens_BT, cache, mode, tap_layers):
+    model = nnx.merge(graphdef, state)
+    return model.forward(tokens_BT, cache, mode=mode, tap_layers=tap_layers)
+
+
+forward_jit = jax.jit(_forward_pure, static_argnums=(0, 4, 5), donate_argnums=(3,))
+
+
+def run_forward(model: KimiForCausalLM, tokens_BT, cache, mode: str, tap_layers: tuple) -> ModelOut:
+    graphdef, state = nnx.split(model)
+    return forward_jit(graphdef, state, tokens_BT, cache, mode, tap_layers)

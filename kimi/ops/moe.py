@@ -1,0 +1,76 @@
+"""Mixture-of-experts math: the sigmoid + bias router and two ways to run the routed experts.
+
+Router (DeepSeek-V3 ``noaux_tc``, as K3 and Kimi-Linear use it), all fp32:
+  s = sigmoid(x W_gate^T);  selection by s + b  (b = e_score_correction_bias);
+  group routing: each of n_group groups is scored by the sum of its top-2 of (s + b); the best topk_group groups
+  are kept, the rest masked to -inf;  idx = top_k(s + b)  (ties: the lower expert index wins);
+  w = s[idx] (without the bias), renormalised w / (sum w + 1e-20) when top_k > 1, times routed_scaling_factor.
+
+Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
+  gathered: for a few tokens, gather only the routed experts' weights ([T, X, F, D]) and contract; the path for
+            decode and verify, which touches nothing but the top-k experts.
+  grouped:  sort the T*X assignments by expert and run a grouped matmul (ragged_dot) over the sorted rows; the
+            path for prefill and training.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from kimi.ops.activations import glu
+
+
+def route(logits_TE, bias_E, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+          scaling: float = 1.0):
+    """Returns (weights_TX fp32, idx_TX int32)."""
+    s_TE = jax.nn.sigmoid(logits_TE.astype(jnp.float32))
+    sel_TE = s_TE + bias_E.astype(jnp.float32)
+    if n_group > 1:
+        T, E = sel_TE.shape
+        grouped = sel_TE.reshape(T, n_group, E // n_group)
+        group_score_TG = jax.lax.top_k(grouped, min(2, E // n_group))[0].sum(-1)
+        _, keep_TK = jax.lax.top_k(group_score_TG, topk_group)
+        keep_TG = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], keep_TK].set(True)
+        sel_TE = jnp.where(jnp.repeat(keep_TG, E // n_group, axis=1), sel_TE, -jnp.inf)
+    _, idx_TX = jax.lax.top_k(sel_TE, top_k)
+    w_TX = jnp.take_along_axis(s_TE, idx_TX, axis=1)
+    if renormalize and top_k > 1:
+        w_TX = w_TX / (w_TX.sum(-1, keepdims=True) + 1e-20)
+    return w_TX * scaling, idx_TX.astype(jnp.int32)
+
+
+def experts_gathered(x_TD, w_TX, w1_TXFD, w3_TXFD, w2_TXDF, act: str, beta=None, linear_beta=None):
+    """y[t] = sum_x w[t,x] W2[t,x] act(W1[t,x] x[t], W3[t,x] x[t]) with the routed weights already gathered."""
+    dt = x_TD.dtype
+    g_TXF = jnp.einsum("td,txfd->txf", x_TD, w1_TXFD.astype(dt))
+    u_TXF = jnp.einsum("td,txfd->txf", x_TD, w3_TXFD.astype(dt))
+    h_TXF = glu(g_TXF, u_TXF, act, beta, linear_beta)
+    y_TXD = jnp.einsum("txf,txdf->txd", h_TXF, w2_TXDF.astype(dt))
+    return jnp.einsum("txd,tx->td", y_TXD.astype(jnp.float32), w_TX).astype(dt)
+
+
+def experts_grouped(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):
+    """Sort-by-expert grouped matmul: each assignment row meets only its expert's weights."""
+    T, X = idx_TX.shape
+    E = w1_EFD.shape[0]
+    dt = x_TD.dtype
+    flat_idx = idx_TX.reshape(-1)
+    order = jnp.argsort(flat_idx, stable=True)
+    tok = order // X
+    xs_RD = x_TD[tok]
+    sizes_E = jnp.bincount(flat_idx, length=E).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs_RD, jnp.swapaxes(w1_EFD, 1, 2).astype(dt), sizes_E)
+    u = jax.lax.ragged_dot(xs_RD, jnp.swapaxes(w3_EFD, 1, 2).astype(dt), sizes_E)
+    h = glu(g, u, act, beta, linear_beta)
+    y_RD = jax.lax.ragged_dot(h, jnp.swapaxes(w2_EDF, 1, 2).astype(dt), sizes_E)
+    w_R = w_TX.reshape(-1)[order]
+    out = jnp.zeros((T, y_RD.shape[-1]), jnp.float32).at[tok].add(y_RD.astype(jnp.float32) * w_R[:, None])
+    return out.astype(dt)
+
+
+def experts_dense_reference(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):
+    """Every token through every expert, then a one-hot combine: the slow obvious form, for tests."""
+    g = jnp.einsum("td,efd->tef", x_TD, w1_EFD)
+    u = jnp.einsum("td,efd->tef", x_TD, w3_EFD)
+    y_TED = jnp.einsum("tef,edf->ted", glu(g, u, act, beta, linear_beta), w2_EDF)
+    comb_TE = jnp.zeros(y_TED.shape[:2], jnp.float32).at[jnp.arange(x_TD.shape[0])[:, None], idx_TX].add(w_TX)
+    return jnp.einsum("ted,te->td", y_TED.astype(jnp.float32), comb_TE).astype(x_TD.dtype)

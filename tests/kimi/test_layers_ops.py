@@ -1,0 +1,142 @@
+"""MLA absorbed vs unabsorbed, router selection, MoE dispatch paths, AttnRes buffer, SiTU."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kimi
+from kimi import layers
+from kimi.ops import activations, attn_res, mla, moe
+
+
+def test_mla_absorbed_equals_unabsorbed():
+    B, T, S, H, N, R, L, V = 2, 5, 12, 3, 8, 4, 16, 8
+    ks = jax.random.split(jax.random.key(0), 5)
+    q_nope = jax.random.normal(ks[0], (B, T, H, N))
+    q_pe = jax.random.normal(ks[1], (B, T, H, R))
+    ckv = jax.random.normal(ks[2], (B, S, L))
+    kpe = jax.random.normal(ks[3], (B, S, R))
+    w_kvb = jax.random.normal(ks[4], (L, H * (N + V))) * 0.3
+    length = jnp.array([3, 7], jnp.int32)
+    q_pos = length[:, None] + jnp.arange(T)[None]
+    a = mla.mla_attend_absorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, length + T, V)
+    u = mla.mla_attend_unabsorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, length + T, V)
+    np.testing.assert_allclose(a, u, atol=1e-5)
+    # against an explicit per-head softmax attention
+    k_nope = jnp.einsum("bsl,lhn->bshn", ckv, w_kvb.reshape(L, H, N + V)[..., :N])
+    v = jnp.einsum("bsl,lhv->bshv", ckv, w_kvb.reshape(L, H, N + V)[..., N:])
+    for b in range(B):
+        for t in range(T):
+            n_vis = int(q_pos[b, t]) + 1
+            for h in range(H):
+                lg = (k_nope[b, :n_vis, h] @ q_nope[b, t, h] + kpe[b, :n_vis] @ q_pe[b, t, h]) / np.sqrt(N + R)
+                o = jax.nn.softmax(lg) @ v[b, :n_vis, h]
+                np.testing.assert_allclose(a[b, t, h], o, atol=1e-5)
+
+
+def test_mla_layer_absorbed_flag():
+    cfg = kimi.KimiConfig.tiny()
+    layer = layers.GatedMLA(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (1, 4, cfg.hidden_size))
+    ckv = jnp.zeros((1, 8, cfg.kv_lora_rank))
+    kpe = jnp.zeros((1, 8, cfg.qk_rope_head_dim))
+    ln = jnp.array([2], jnp.int32)
+    y1 = layer(x, ckv, kpe, ln, absorbed=True)[0]
+    y2 = layer(x, ckv, kpe, ln, absorbed=False)[0]
+    np.testing.assert_allclose(y1, y2, atol=1e-5)
+
+
+def test_router_bias_selects_but_does_not_weight():
+    logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
+    bias = jnp.array([0.0, 0.0, 0.0, 5.0])
+    w, idx = moe.route(logits, bias, top_k=2, renormalize=False)
+    assert idx.tolist() == [[3, 0]]
+    s = jax.nn.sigmoid(logits[0])
+    np.testing.assert_allclose(w[0], [s[3], s[0]], rtol=1e-6)  # weights from the scores without the bias
+    w2, _ = moe.route(logits, bias, top_k=2, renormalize=True, scaling=2.5)
+    np.testing.assert_allclose(w2[0], 2.5 * np.array([s[3], s[0]]) / (s[3] + s[0] + 1e-20), rtol=1e-6)
+    np.testing.assert_allclose(w2.sum(), 2.5, rtol=1e-6)
+
+
+def test_router_ties_and_top1():
+    logits = jnp.zeros((1, 6))
+    w, idx = moe.route(logits, jnp.zeros(6), top_k=3)
+    assert idx.tolist() == [[0, 1, 2]]  # ties: the lower expert index wins
+    np.testing.assert_allclose(w, 1 / 3, rtol=1e-6)
+    w1, idx1 = moe.route(jnp.array([[0.0, 3.0]]), jnp.zeros(2), top_k=1, renormalize=True)
+    np.testing.assert_allclose(w1, jax.nn.sigmoid(3.0), rtol=1e-6)  # top-1 is not renormalised
+
+
+def test_router_groups():
+    # 2 groups of 3; group scores = sum of top-2 -> group 1 wins although expert 0 is the single best
+    logits = jnp.array([[3.0, -5.0, -5.0, 1.0, 1.0, 1.0]])
+    _, idx = moe.route(logits, jnp.zeros(6), top_k=2, n_group=2, topk_group=1)
+    assert sorted(idx[0].tolist()) == [3, 4]
+
+
+def _experts(E=6, F=8, D=32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(ks[0], (E, F, D)) * .2, jax.random.normal(ks[1], (E, F, D)) * .2,
+            jax.random.normal(ks[2], (E, D, F)) * .2)
+
+
+@pytest.mark.parametrize("act", ["situ", "silu"])
+def test_moe_paths_agree(act):
+    w1, w3, w2 = _experts()
+    T, X = 7, 2
+    x = jax.random.normal(jax.random.key(3), (T, 32))
+    w, idx = moe.route(jax.random.normal(jax.random.key(4), (T, 6)), jnp.zeros(6), X)
+    ref = moe.experts_dense_reference(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
+    g = moe.experts_grouped(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
+    ga = moe.experts_gathered(x, w, w1[idx], w3[idx], w2[idx], act, 4.0, 25.0)
+    np.testing.assert_allclose(g, ref, atol=1e-5)
+    np.testing.assert_allclose(ga, ref, atol=1e-5)
+
+
+def test_mxfp4_experts_equal_dequantised_dense():
+    cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64)
+    moe_q = layers.LatentMoE(cfg, rngs=nnx.Rngs(0))
+    cfg_d = cfg.replace(expert_format="dense")
+    moe_d = layers.LatentMoE(cfg_d, rngs=nnx.Rngs(0))
+    _, st_q = nnx.split(moe_q)
+    gd_d, st_d = nnx.split(moe_d)
+    # copy every non-expert parameter, and the dequantised experts
+    d = nnx.to_pure_dict(st_d)
+    pq = nnx.to_pure_dict(st_q)
+    for k in d:
+        if k != "experts":
+            d[k] = pq[k]
+    for n in ("w1", "w3", "w2"):
+        d["experts"][n] = moe_q.experts.weight(n)
+    nnx.replace_by_pure_dict(st_d, d)
+    moe_d = nnx.merge(gd_d, st_d)
+    assert moe_q.experts.w1_packed[...].dtype == jnp.uint8
+    for T in (1, 9):  # gathered (decode) and grouped (prefill) paths
+        x = jax.random.normal(jax.random.key(T), (1, T, cfg.hidden_size))
+        np.testing.assert_allclose(moe_q(x), moe_d(x), atol=1e-5)
+
+
+def test_attn_res_buffer_matches_list():
+    B, T, N, D = 2, 3, 4, 16
+    ks = jax.random.split(jax.random.key(0), 3)
+    blocks = jax.random.normal(ks[0], (B, T, N, D))
+    prefix = jax.random.normal(ks[1], (B, T, D))
+    w = jax.random.normal(ks[2], (D,))
+    for n in (1, 2, 4):
+        got = attn_res.attn_res(prefix, blocks, n, w, 1e-5)
+        ref = attn_res.attn_res_reference(prefix, [blocks[:, :, i] for i in range(n)], w, 1e-5)
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+    # zero pseudo-query: uniform weights over the sources
+    got = attn_res.attn_res(prefix, blocks, 2, jnp.zeros(D), 1e-5)
+    np.testing.assert_allclose(got, (blocks[:, :, 0] + blocks[:, :, 1] + prefix) / 3, atol=1e-5)
+
+
+def test_situ_formula():
+    g = jnp.linspace(-30, 30, 61)
+    u = jnp.linspace(40, -40, 61)
+    got = activations.situ_glu(g, u, 4.0, 25.0)
+    ref = 4 * np.tanh(g / 4) / (1 + np.exp(-g)) * 25 * np.tanh(u / 25)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(activations.situ_glu(g, u, None, None), np.tanh(g) / (1 + np.exp(-g)) * u,
+                               rtol=1e-5, atol=1e-5)

@@ -1,0 +1,127 @@
+"""KimiForCausalLM: decode == prefill, verify's per-position states, rollback, no recompiles, bad input."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kimi
+from kimi import model as model_mod
+
+T_PROMPT = 11
+
+
+def _tokens(cfg, B, T, seed=1):
+    return np.asarray(jax.random.randint(jax.random.key(seed), (B, T), 0, cfg.vocab_size), np.int32)
+
+
+@pytest.fixture(scope="module", params=["k3_tiny", "kimi_linear_tiny"])
+def setup(request):
+    if request.param == "k3_tiny":
+        cfg = kimi.KimiConfig.tiny()
+    else:  # Kimi-Linear features: plain residual, softplus gate, low-rank output gate, SwiGLU, no latent, no q LoRA
+        cfg = kimi.KimiConfig.tiny(attn_res_block_size=None, kda_gate_lower_bound=None, kda_use_full_rank_gate=False,
+                                   hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False,
+                                   q_lora_rank=None, mla_use_output_gate=False, routed_scaling_factor=2.5)
+    m = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    tok = _tokens(cfg, 2, T_PROMPT)
+    pre = m.prefill(tok, m.init_cache(2, 32), tap_layers=(0, 2, cfg.num_hidden_layers))
+    return cfg, m, tok, pre
+
+
+def test_tiny_has_every_feature():
+    cfg = kimi.KimiConfig.tiny()
+    assert set(cfg.layer_kinds) == {"kda", "mla"}
+    assert cfg.ffn_kinds[0] == "dense" and "moe" in cfg.ffn_kinds
+    assert cfg.num_shared_experts >= 1 and cfg.routed_expert_hidden_size is not None
+    assert cfg.attn_res_block_size is not None and cfg.num_hidden_layers % 2 == 1
+    assert cfg.num_hidden_layers % cfg.attn_res_block_size != 0  # the last block is partial
+    assert T_PROMPT % cfg.kda_chunk_size != 0
+
+
+def test_decode_matches_prefill(setup):
+    cfg, m, tok, pre = setup
+    cache = m.init_cache(2, 32)
+    logits = []
+    for t in range(tok.shape[1]):
+        out = m.decode(tok[:, t], cache)
+        cache = out.cache
+        logits.append(out.logits)
+    dec = jnp.stack(logits, axis=1)
+    assert dec.shape == pre.logits.shape == (2, T_PROMPT, cfg.vocab_size)
+    np.testing.assert_allclose(dec, pre.logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(cache.kda_state, pre.cache.kda_state, atol=1e-4)
+    np.testing.assert_array_equal(cache.length, pre.cache.length)
+
+
+def test_verify_after_prefill_matches_longer_prefill(setup):
+    cfg, m, tok, pre = setup
+    extra = _tokens(cfg, 2, 5, seed=7)
+    p = 6
+    first = m.prefill(tok[:, :p], m.init_cache(2, 32))
+    ver = m.verify(extra, first.cache, tap_layers=(2,))
+    full = m.prefill(np.concatenate([tok[:, :p], extra], 1), m.init_cache(2, 32), tap_layers=(2,))
+    np.testing.assert_allclose(ver.logits, full.logits[:, p:], atol=1e-4)
+    np.testing.assert_allclose(ver.taps, full.taps[:, p:], atol=1e-4)
+    assert ver.kda_states.shape[:3] == (cfg.num_kda_layers, 2, 5)
+    # the state verify reports at accepted length k equals prefilling prompt + k tokens
+    for k in (1, 3, 5):
+        ref = m.prefill(np.concatenate([tok[:, :p], extra[:, :k]], 1), m.init_cache(2, 32))
+        before = np.full((2,), p, np.int32)
+        rolled = kimi.KimiForCausalLM.rollback(ver, before, np.full((2,), k, np.int32))
+        np.testing.assert_allclose(rolled.kda_state, ref.cache.kda_state, atol=1e-5)
+        np.testing.assert_allclose(rolled.conv_state, ref.cache.conv_state, atol=1e-6)
+        np.testing.assert_array_equal(rolled.length, ref.cache.length)
+        # decoding after the rollback continues exactly like decoding after the longer prefill
+        nxt = extra[:, 0]
+        a = m.decode(nxt, jax.tree.map(jnp.copy, rolled)).logits  # decode donates its cache: keep ver's intact
+        b = m.decode(nxt, ref.cache).logits
+        np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_rollback_per_row(setup):
+    cfg, m, tok, pre = setup
+    first = m.prefill(tok[:, :4], m.init_cache(2, 32))
+    extra = _tokens(cfg, 2, 4, seed=3)
+    ver = m.verify(extra, first.cache)
+    n_keep = np.array([1, 3], np.int32)
+    rolled = kimi.KimiForCausalLM.rollback(ver, np.array([4, 4], np.int32), n_keep)
+    for b in range(2):
+        ref = m.prefill(np.concatenate([tok[b:b + 1, :4], extra[b:b + 1, :n_keep[b]]], 1), m.init_cache(1, 32))
+        np.testing.assert_allclose(rolled.kda_state[:, b], ref.cache.kda_state[:, 0], atol=1e-5)
+    np.testing.assert_array_equal(rolled.length, [5, 7])
+
+
+def test_taps_are_layer_inputs(setup):
+    cfg, m, tok, pre = setup
+    D = cfg.hidden_size
+    assert pre.taps.shape == (2, T_PROMPT, 3 * D)
+    # tap 0 is the input of layer 0: the embedding
+    np.testing.assert_allclose(pre.taps[..., :D], m.model.embed_tokens.embedding[...][tok], atol=1e-6)
+    # tap L is the final hidden state before the final norm
+    np.testing.assert_allclose(pre.taps[..., 2 * D:], pre.last_hidden, atol=1e-6)
+
+
+def test_second_decode_does_not_recompile(setup):
+    cfg, m, tok, pre = setup
+    cache = m.init_cache(2, 32)
+    out = m.decode(tok[:, 0], cache)
+    n = model_mod.forward_jit._cache_size()
+    out = m.decode(tok[:, 1], out.cache)
+    out = m.decode(tok[:, 2], out.cache)
+    jax.block_until_ready(out.logits)
+    assert model_mod.forward_jit._cache_size() == n
+
+
+def test_bad_input_is_a_clear_error(setup):
+    cfg, m, tok, pre = setup
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.prefill(np.array([[1, cfg.vocab_size]], np.int32), m.init_cache(1, 8))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.decode(np.array([-1, 0], np.int32), m.init_cache(2, 8))
+    with pytest.raises(ValueError, match="max_len=8"):
+        m.prefill(np.zeros((1, 9), np.int32), m.init_cache(1, 8))
+    with pytest.raises(ValueError, match="tap_layers"):
+        m.prefill(np.zeros((1, 2), np.int32), m.init_cache(1, 8), tap_layers=(cfg.num_hidden_layers + 1,))
+    with pytest.raises(ValueError, match="batch"):
+        m.prefill(np.zeros((3, 2), np.int32), m.init_cache(1, 8))
