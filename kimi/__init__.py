@@ -15,3 +15,6 @@ from kimi.cache import KimiCache  # noqa: E402
 from kimi.model import KimiForCausalLM, ModelOut  # noqa: E402
 
 __all__ += ["KimiCache", "KimiForCausalLM", "ModelOut"]
+from kimi.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+
+__all__ += ["load_checkpoint", "save_checkpoint"]

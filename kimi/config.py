@@ -280,7 +280,7 @@ class KimiConfig:
             for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 if k not in raw and k in top:
                     raw[k] = top[k]
-        return cls(**_hf_to_fields(raw), **overrides)
+        return cls(**{**_hf_to_fields(raw), **overrides})  # overrides win over config.json
 
     def to_hf_config(self) -> dict:
         """The HF ``config.json`` dict (Kimi-Linear layout; ``model_type`` kimi_linear), read back by
@@ -369,6 +369,24 @@ _IGNORED = {
     "name_or_path", "_name_or_path", "id2label", "label2id", "problem_type", "pretraining_tp", "topk_method",
     "scoring_func", "aux_loss_alpha", "seq_aux", "ep_size", "moe_intermediate_size_shared", "mlp_bias",
     "num_experts_per_token_shared", "use_sliding_window", "sliding_window", "max_window_layers",
+    # transformers' KimiLinearConfig writes these derived / runtime keys next to the checkpoint ones
+    "linear_conv_kernel_dim", "linear_head_dim", "linear_num_heads", "mlp_layer_types", "model_max_length",
+    "output_router_logits", "qk_head_dim",
+}
+# A published config.json that lacks one of these keys describes a model without that feature (Kimi-Linear, and
+# transformers' KimiLinearConfig, which has none of K3's keys), so an absent key means this value, not the
+# dataclass default (the defaults describe the tiny K3-shaped preset).
+_HF_ABSENT = {
+    "mla_lora_norm_eps": 1e-6,  # the official code and transformers build q_a/kv_a norms with the default eps
+    "mla_use_output_gate": False,
+    "routed_expert_hidden_size": None,
+    "latent_moe_use_norm": False,
+    "attn_res_block_size": None,
+    "kda_use_full_rank_gate": False,
+    "kda_gate_lower_bound": None,
+    "activation_situ_beta": None,
+    "activation_situ_linear_beta": None,
+    "hidden_act": "silu",
 }
 
 
@@ -391,7 +409,13 @@ def _hf_to_fields(raw: dict) -> dict:
         for k, f in m.items():
             if k in lac:
                 out[f] = lac[k]
-    elif "layer_types" in raw:  # transformers' converted form
+    else:  # transformers' converted form
+        m = {"linear_num_heads": "kda_num_heads", "linear_head_dim": "kda_head_dim",
+             "linear_conv_kernel_dim": "short_conv_kernel_size"}
+        for k, f in m.items():
+            if k in raw:
+                out[f] = raw[k]
+    if not lac and "layer_types" in raw:
         types = raw["layer_types"]
         out["kda_layers"] = tuple(i + 1 for i, t in enumerate(types) if t in ("linear_attention", "kda"))
         out["full_attn_layers"] = tuple(i + 1 for i, t in enumerate(types) if t not in ("linear_attention", "kda"))
@@ -399,6 +423,18 @@ def _hf_to_fields(raw: dict) -> dict:
         raise ValueError("config.json: no linear_attn_config (kda_layers / full_attn_layers) and no layer_types")
     if "tie_word_embeddings" in raw:
         out["tie_word_embeddings"] = bool(raw["tie_word_embeddings"])
+    for f, v in _HF_ABSENT.items():
+        out.setdefault(f, v)
+    if raw.get("mlp_layer_types") is not None:  # transformers' converted form; transformers builds from it
+        types = list(raw["mlp_layer_types"])
+        k = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+        if any(t == "dense" for t in types[k:]):
+            raise ValueError(f"config.json: mlp_layer_types {types}: dense layers must come first "
+                             "(only first_k_dense_replace is supported)")
+        if out.get("first_k_dense_replace", k) != k:
+            raise ValueError(f"config.json: mlp_layer_types {types} has {k} leading dense layers but "
+                             f"first_k_dense_replace is {out['first_k_dense_replace']}")
+        out["first_k_dense_replace"] = k
     if "activation_situ_beta" in out and out["activation_situ_beta"] is None and out.get("hidden_act") == "situ":
         out["activation_situ_beta"] = 1.0  # official: beta = activation_situ_beta or 1.0
     qc = raw.get("quantization_config") or {}

@@ -128,17 +128,24 @@ class KimiDeltaAttention(nnx.Module):
         """q, k and v conv kernels side by side: [3P, kernel]."""
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
 
-    def __call__(self, x_BTD, state_BHKV, conv_BWC, mode: str) -> KDAOut:
+    def __call__(self, x_BTD, state_BHKV, conv_BWC, mode: str, valid_len_B=None) -> KDAOut:
+        """``valid_len_B`` (prefill only): positions t >= valid_len are padding; they leave the recurrent state
+        (beta = 0, g = 0) and the conv state untouched."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, K, P = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
-        qkv_BTC = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
+        pre_BTC = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
         w_CK = self.conv_weight_CK()
         convs = None
         if mode == "verify":
-            qkv_BTC, conv_BWC, convs = kda_ops.causal_conv(qkv_BTC, w_CK, conv_BWC, return_all_states=True)
+            qkv_BTC, new_conv, convs = kda_ops.causal_conv(pre_BTC, w_CK, conv_BWC, return_all_states=True)
         else:
-            qkv_BTC, conv_BWC = kda_ops.causal_conv(qkv_BTC, w_CK, conv_BWC)
+            qkv_BTC, new_conv = kda_ops.causal_conv(pre_BTC, w_CK, conv_BWC)
+        if valid_len_B is not None:
+            W = conv_BWC.shape[1]
+            xx = jnp.concatenate([conv_BWC, pre_BTC.astype(conv_BWC.dtype)], axis=1)
+            new_conv = jax.vmap(lambda a, n: jax.lax.dynamic_slice_in_dim(a, n, W, axis=0))(xx, valid_len_B)
+        conv_BWC = new_conv
         q, k, v = jnp.split(qkv_BTC.astype(jnp.float32), 3, axis=-1)
         q = kda_ops.l2norm(q.reshape(B, T, H, K))
         k = kda_ops.l2norm(k.reshape(B, T, H, K))
@@ -151,6 +158,10 @@ class KimiDeltaAttention(nnx.Module):
         else:
             g = kda_ops.kda_gate_lower_bound(a_BTHK, A_log_H, dt_bias_HK, cfg.kda_gate_lower_bound)
         beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        if valid_len_B is not None:
+            real_BT = jnp.arange(T)[None, :] < valid_len_B[:, None]
+            beta_BTH = jnp.where(real_BT[..., None], beta_BTH, 0.0)
+            g = jnp.where(real_BT[..., None, None], g, 0.0)
         states = None
         if mode == "prefill":
             o, state_BHKV = kda_ops.kda_chunked(q, k, v, g, beta_BTH, state_BHKV, chunk_size=cfg.kda_chunk_size)

@@ -80,11 +80,17 @@ class KimiForCausalLM(nnx.Module):
         return KimiCache.init(self.config, batch_size, max_len)
 
     # -------------------------------------------------------------------------------------------- the forward
-    def forward(self, tokens_BT, cache: KimiCache, *, mode: str, tap_layers: Sequence[int] = ()) -> ModelOut:
-        """Pure forward over ``tokens_BT`` appended at ``cache.length``; usable inside any jit."""
+    def forward(self, tokens_BT, cache: KimiCache, *, mode: str, tap_layers: Sequence[int] = (),
+                valid_len_B=None) -> ModelOut:
+        """Pure forward over ``tokens_BT`` appended at ``cache.length``; usable inside any jit.
+
+        ``valid_len_B`` (prefill of right-padded prompts): only the first valid_len tokens of each row enter the
+        cache; padded positions change no state, and their logits and taps are meaningless."""
         cfg = self.config
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        if valid_len_B is not None and mode != "prefill":
+            raise ValueError("valid_len_B: only prefill takes padded rows")
         tap_layers = tuple(tap_layers)
         for t in tap_layers:
             if not 0 <= t <= cfg.num_hidden_layers:
@@ -118,7 +124,7 @@ class KimiForCausalLM(nnx.Module):
                 taps[i] = h
             hn = layer.input_layernorm(h)
             if layer.kind == "kda":
-                out = layer.self_attn(hn, kda_state[i_kda], conv_state[i_kda], mode)
+                out = layer.self_attn(hn, kda_state[i_kda], conv_state[i_kda], mode, valid_len_B)
                 a = out.y_BTD
                 new_kda.append(out.state_BHKV)
                 new_conv.append(out.conv_BWC)
@@ -154,7 +160,8 @@ class KimiForCausalLM(nnx.Module):
 
         new_cache = KimiCache(
             kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
-            mla_ckv=stack(new_ckv, ckv), mla_kpe=stack(new_kpe, kpe), length=cache.length + T)
+            mla_ckv=stack(new_ckv, ckv), mla_kpe=stack(new_kpe, kpe),
+            length=cache.length + (T if valid_len_B is None else valid_len_B.astype(jnp.int32)))
         out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,
                        taps=jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None)
         if mode == "verify":

@@ -125,3 +125,20 @@ def test_bad_input_is_a_clear_error(setup):
         m.prefill(np.zeros((1, 2), np.int32), m.init_cache(1, 8), tap_layers=(cfg.num_hidden_layers + 1,))
     with pytest.raises(ValueError, match="batch"):
         m.prefill(np.zeros((3, 2), np.int32), m.init_cache(1, 8))
+
+
+def test_padded_prefill_equals_unpadded(setup):
+    cfg, m, tok, pre = setup
+    n = 7
+    padded = np.concatenate([tok[:, :n], np.full((2, T_PROMPT - n), cfg.pad_token_id, np.int32)], 1)
+    gd, st = nnx.split(m)
+    out = jax.jit(lambda s, t, c: nnx.merge(gd, s).forward(t, c, mode="prefill", valid_len_B=jnp.array([n, n])))(
+        st, padded, m.init_cache(2, 32))
+    ref = m.prefill(tok[:, :n], m.init_cache(2, 32))
+    np.testing.assert_allclose(out.logits[:, n - 1], ref.logits[:, -1], atol=1e-4)
+    np.testing.assert_allclose(out.cache.kda_state, ref.cache.kda_state, atol=1e-5)
+    np.testing.assert_allclose(out.cache.conv_state, ref.cache.conv_state, atol=1e-6)
+    np.testing.assert_array_equal(out.cache.length, [n, n])
+    a = m.decode(tok[:, n], out.cache).logits
+    b = m.decode(tok[:, n], ref.cache).logits
+    np.testing.assert_allclose(a, b, atol=1e-4)

@@ -1,0 +1,244 @@
+"""The fused draft-verify step and ``generate``: a whole generation is one jitted program (a ``lax.while_loop``).
+
+One step, batch 1 (the stream one user waits on), positions n = tokens the target has cached:
+  anchor a (the last committed token, at position n, not yet in the target's cache)
+  drafter:  block [a, MASK x (G-1)] over its context (taps of positions < n) -> base logits [G, V]
+            Markov head, sequential (lax.scan): slot k's bias from the previous token (slot 0: a); draft d_k is the
+            argmax (greedy) or a draw from q_k (sampling); confidence c_k; survival_k = prod_{j<=k} sigmoid(c_j)
+  target:   verify([a, d_1 .. d_G]) -> logits p_0 .. p_G (p_i predicts position n+i+1), taps, per-position states
+  accept:   greedy: the longest prefix with d_{i+1} = argmax p_i, then the bonus argmax p_m;
+            sampling: rejection sampling with p and q processed identically (lossless)
+  commit:   the target's KDA/conv state at position n+m (selected, not recomputed), MLA length n+m+1; the drafter's
+            context grows by the taps of positions n .. n+m; the m accepted drafts and the bonus are emitted; the
+            bonus is the next anchor.
+``drafter=None`` runs plain decoding through the same loop (one target decode per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits, sample
+from kimi.cache import KimiCache, select_verified
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GenStats:
+    target_steps: jax.Array  # int32: target forward passes after the prefill (decode or verify)
+    drafted: jax.Array  # int32: drafts sent to verification
+    accepted: jax.Array  # int32: drafts accepted
+    accept_counts: jax.Array  # [G] int32: steps whose draft i was accepted (i.e. accepted length > i)
+
+    @property
+    def accept_len(self) -> float:
+        """Tokens per target step: (accepted + 1 bonus per step) / steps (the seeds' 'tokens per iteration')."""
+        s = int(self.target_steps)
+        return (int(self.accepted) + s) / s if s else 0.0
+
+    @property
+    def per_position_accept(self) -> list:
+        """Fraction of steps whose draft i was accepted, i = 0 .. G-1 (P(accepted length > i))."""
+        s = int(self.target_steps)
+        return [float(c) / s if s else 0.0 for c in np.asarray(self.accept_counts)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        d = int(self.drafted)
+        return int(self.accepted) / d if d else 0.0
+
+    def as_dict(self) -> dict:
+        return {"target_steps": int(self.target_steps), "drafted": int(self.drafted),
+                "accepted": int(self.accepted), "accept_len": self.accept_len,
+                "acceptance_rate": self.acceptance_rate, "per_position_accept": self.per_position_accept}
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    tokens: np.ndarray  # [n_new] generated ids (the prompt excluded), cut at EOS (included) or max_new_tokens
+    stats: GenStats
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Loop:
+    out: jax.Array  # [max_new + G + 1] emitted tokens
+    n_out: jax.Array  # int32
+    anchor: jax.Array  # [1] int32
+    cache: KimiCache
+    dcache: object  # DrafterCache or None
+    key: jax.Array
+    done: jax.Array  # bool
+    stats: GenStats
+
+
+def _bucket(n: int, multiple: int) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int):
+    """Append the first n_new of new_K to the output; stop at EOS (kept) or max_new."""
+    K = new_K.shape[0]
+    out = jax.lax.dynamic_update_slice(st.out, new_K, (st.n_out,))
+    is_eos = (new_K == eos_id) & (jnp.arange(K) < n_new) if eos_id >= 0 else jnp.zeros((K,), bool)
+    first_eos = jnp.argmax(is_eos)
+    hit = is_eos.any()
+    n_take = jnp.where(hit, first_eos + 1, n_new)
+    n_out = st.n_out + n_take
+    done = hit | (n_out >= max_new)
+    return out, n_out, done
+
+
+def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
+                 threshold: float):
+    """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (processed), n_verify)."""
+    base_BGV, hid_BGD = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV)
+    G = base_BGV.shape[1]
+    keys = jax.random.split(key, G)
+
+    def slot(carry, xs):
+        prev_1, mstate = carry
+        base_1V, hid_1D, k = xs
+        bias, mstate = drafter.markov_bias(prev_1, hid_1D, mstate)
+        z = base_1V + bias.astype(jnp.float32)
+        c = drafter.confidence_logit(hid_1D, prev_1)
+        c = jnp.zeros((1,), jnp.float32) if c is None else c
+        tok = sample(k, z, sp)
+        logq = process_logits(z, sp) if not sp.greedy else jnp.zeros_like(z)
+        return (tok, mstate), (tok[0], logq[0], c[0])
+
+    init = (anchor_1, drafter.init_markov_state(1))
+    _, (drafts_G, logq_GV, conf_G) = jax.lax.scan(
+        slot, init, (jnp.swapaxes(base_BGV, 0, 1), jnp.swapaxes(hid_BGD, 0, 1), keys))
+    if threshold > 0 and drafter.confidence_head is not None:
+        survival = jnp.cumprod(jax.nn.sigmoid(conf_G))
+        n_verify = jnp.sum(jnp.cumprod((survival >= threshold).astype(jnp.int32))).astype(jnp.int32)
+    else:
+        n_verify = jnp.int32(G)
+    return drafts_G, logq_GV, n_verify
+
+
+def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
+                      t_state, d_state, prompt_1P, prompt_len, key):
+    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold."""
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    cfg = target.config
+    P = prompt_1P.shape[1]
+    G = drafter.config.block_size if drafter is not None else 0
+    taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
+    S = P + max_new + G + 1
+    cache = KimiCache.init(cfg, 1, S)
+    valid = jnp.reshape(prompt_len, (1,)).astype(jnp.int32)
+    pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid)
+    k0, key = jax.random.split(key)
+    last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
+    first = sample(k0, last_logits[None], sp)
+    embed_VD = target.embed_tokens.embedding[...]
+    lm_head_DV = target.lm_head_DV()
+    dcache = None
+    if drafter is not None:
+        dcache = drafter.init_cache(1, S)
+        dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
+    out = jnp.zeros((max_new + G + 1,), jnp.int32)
+    st = _Loop(out=out, n_out=jnp.int32(0), anchor=first, cache=pre.cache, dcache=dcache, key=key,
+               done=jnp.bool_(False),
+               stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
+    o, n_out, done = _emit(st, first, jnp.int32(1), eos_id, max_new)
+    st = dataclasses.replace(st, out=o, n_out=n_out, done=done)
+
+    def plain_step(st: _Loop) -> _Loop:
+        key, k = jax.random.split(st.key)
+        res = target.forward(st.anchor[:, None], st.cache, mode="decode")
+        nxt = sample(k, res.logits, sp)
+        o, n_out, done = _emit(st, nxt, jnp.int32(1), eos_id, max_new)
+        stats = dataclasses.replace(st.stats, target_steps=st.stats.target_steps + 1)
+        return _Loop(o, n_out, nxt, res.cache, None, key, done, stats)
+
+    def spec_step(st: _Loop) -> _Loop:
+        key, k_draft, k_acc = jax.random.split(st.key, 3)
+        n = st.cache.length  # [1]
+        drafts_G, logq_GV, n_verify = _draft_block(drafter, st.dcache, st.anchor, n, embed_VD, lm_head_DV,
+                                                   k_draft, sp, threshold)
+        block = jnp.concatenate([st.anchor, drafts_G])[None]  # [1, G+1]
+        ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
+        if sp.greedy:
+            m, nxt = accept_greedy(drafts_G, ver.logits[0], n_verify)
+        else:
+            m, nxt = accept_rejection(k_acc, drafts_G, logq_GV, ver.logits[0], n_verify, sp)
+        cache = select_verified(ver.cache, ver.kda_states, ver.conv_states, n, (m + 1)[None])
+        dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
+        new = jnp.concatenate([drafts_G, jnp.zeros((1,), jnp.int32)])
+        new = new.at[m].set(nxt)
+        o, n_out, done = _emit(st, new, m + 1, eos_id, max_new)
+        acc = st.stats.accept_counts + (jnp.arange(G) < m).astype(jnp.int32)
+        stats = GenStats(st.stats.target_steps + 1, st.stats.drafted + n_verify, st.stats.accepted + m, acc)
+        return _Loop(o, n_out, nxt[None], cache, dcache, key, done, stats)
+
+    body = spec_step if drafter is not None else plain_step
+    st = jax.lax.while_loop(lambda s: ~s.done, body, st)
+    return st.out, st.n_out, st.stats
+
+
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5))
+
+
+def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
+             prompt_bucket: int = 64) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
+
+    drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` so prompts of
+    the same padded length share one compiled program. EOS (default: the target's eos_token_id; -1 disables it)
+    ends the generation and is included in the output."""
+    ids = np.asarray(prompt_ids)
+    if ids.ndim == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(f"prompt_ids: generate serves one stream (batch 1); got batch {ids.shape[0]}")
+        ids = ids[0]
+    if ids.ndim != 1 or ids.shape[0] == 0:
+        raise ValueError(f"prompt_ids: expected a non-empty 1-D sequence of token ids, got shape {np.shape(prompt_ids)}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"prompt_ids: expected integer token ids, got dtype {ids.dtype}")
+    cfg = target.config
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"prompt_ids: ids outside the vocabulary [0, {cfg.vocab_size}): "
+                         f"{ids[(ids < 0) | (ids >= cfg.vocab_size)][:8].tolist()}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    sp = SamplingParams(float(temperature), int(top_k), float(top_p))
+    if drafter is not None:
+        dc = drafter.config
+        if dc.hidden_size != cfg.hidden_size or dc.vocab_size != cfg.vocab_size:
+            raise ValueError(f"drafter: hidden {dc.hidden_size} / vocab {dc.vocab_size} do not match the target's "
+                             f"{cfg.hidden_size} / {cfg.vocab_size}")
+        bad = [i for i in dc.aux_hidden_state_layer_ids if not 0 <= i <= cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"drafter.aux_hidden_state_layer_ids: {bad} outside 0..{cfg.num_hidden_layers}")
+    eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
+    P = _bucket(len(ids), prompt_bucket)
+    padded = np.full((1, P), cfg.pad_token_id, np.int32)
+    padded[0, :len(ids)] = ids
+    t_graph, t_state = nnx.split(target)
+    d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
+    out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),
+                                      t_state, d_state, jnp.asarray(padded), jnp.int32(len(ids)),
+                                      jax.random.key(seed))
+    n = min(int(n_out), int(max_new_tokens))
+    return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
+
+
+def compiled_programs() -> int:
+    """How many generation programs have been compiled (a test checks a second call adds none)."""
+    return _generate_jit._cache_size()

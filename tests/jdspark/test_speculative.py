@@ -1,0 +1,195 @@
+"""generate(): lossless (greedy token for token; sampling in distribution), one compiled program, statistics.
+
+Acceptance must range from none to all, so the drafters here are built, not trained: the target's output
+projections are scaled by eps, which makes it (for eps = 0) an exact bigram model g(prev) -> next, and the drafter
+is given a full-rank Markov head that encodes g (its backbone output is switched off). eps > 0 lets the context
+(KDA and MLA state, MoE, AttnRes) perturb the target, so some drafts fail; a random drafter accepts almost none.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats as sps
+
+import jdspark
+import kimi
+from jdspark import speculative
+from jdspark.sampling import SamplingParams, process_logits
+
+_OUT_PROJ = {"o_proj", "down_proj", "routed_expert_up_proj"}
+
+
+def scaled_target(cfg, eps: float, seed: int = 0):
+    m = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(seed))
+    gd, st = nnx.split(m)
+    d = nnx.to_pure_dict(st)
+
+    def walk(node, name=""):
+        if isinstance(node, dict):
+            return {k: walk(v, k if k != "kernel" else name) for k, v in node.items()}
+        return node * eps if name in _OUT_PROJ else node
+
+    nnx.replace_by_pure_dict(st, walk(d))
+    return nnx.merge(gd, st)
+
+
+def bigram_map(target) -> np.ndarray:
+    """g[v] = the target's greedy next token after the one-token context v."""
+    V = target.config.vocab_size
+    out = target.prefill(np.arange(V, dtype=np.int32)[:, None], target.init_cache(V, 1))
+    return np.asarray(jnp.argmax(out.logits[:, 0], -1))
+
+
+def markov_drafter(target, g: np.ndarray, wrong_frac: float, scale: float, seed: int = 0):
+    """A drafter whose block output is zero and whose Markov bias is scale * onehot(g'(prev)), g' = g with a
+    fraction of entries moved elsewhere."""
+    cfg = target.config
+    V = cfg.vocab_size
+    dc = jdspark.DSparkConfig.for_target(cfg, block_size=4, markov_rank=V, mask_token_id=cfg.pad_token_id)
+    d = jdspark.DSparkDrafter(dc, target=target, rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    g2 = g.copy()
+    flip = rng.random(V) < wrong_frac
+    g2[flip] = (g2[flip] + 1 + rng.integers(0, V - 1, flip.sum())) % V
+    d.norm.scale[...] = jnp.zeros_like(d.norm.scale[...])
+    d.markov_head.markov_w1.embedding[...] = jnp.eye(V, dtype=jnp.float32)
+    d.markov_head.markov_w2.kernel[...] = scale * jax.nn.one_hot(g2, V, dtype=jnp.float32)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny_cfg():
+    return kimi.KimiConfig.tiny()
+
+
+def test_lossless_greedy_many_seeds(tiny_cfg):
+    cfg = tiny_cfg
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (3, 9, 17, 30, 41)]
+    cases = [(0.0, 0.0), (0.02, 0.0), (0.1, 0.1), (1.0, 0.0)]  # (eps, wrong fraction of the drafter's map)
+    accept_lens = []
+    n_cases = 0
+    for ci, (eps, wrong) in enumerate(cases):
+        target = scaled_target(cfg, eps, seed=ci)
+        drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0, seed=ci)), wrong, 30.0, seed=ci)
+        for p in prompts:
+            ar = speculative.generate(target, None, p, max_new_tokens=64, eos_token_id=-1)
+            sp = speculative.generate(target, drafter, p, max_new_tokens=64, eos_token_id=-1)
+            assert ar.num_tokens == sp.num_tokens == 64
+            np.testing.assert_array_equal(sp.tokens, ar.tokens, err_msg=f"case eps={eps} wrong={wrong} prompt {p}")
+            accept_lens.append(sp.stats.accept_len)
+            n_cases += 1
+    assert n_cases >= 20
+    # the cases span the whole range: every draft accepted ... almost none
+    assert max(accept_lens) == pytest.approx(5.0, abs=0.2)  # block 4 -> at most 4 drafts + 1 bonus per step
+    assert min(accept_lens) < 1.5
+    assert any(1.5 < a < 4.5 for a in accept_lens)
+
+
+def test_random_drafter_is_lossless(tiny_cfg):
+    cfg = tiny_cfg
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(3))
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
+                                    rngs=nnx.Rngs(4))
+    p = np.arange(3, 20)
+    ar = speculative.generate(target, None, p, max_new_tokens=48, eos_token_id=-1)
+    sp = speculative.generate(target, drafter, p, max_new_tokens=48, eos_token_id=-1)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    s = sp.stats
+    assert s.target_steps * 4 == s.drafted  # every step verifies the whole block
+    assert s.accept_len == pytest.approx((s.accepted + s.target_steps) / s.target_steps)
+
+
+def test_one_program_per_padded_length(tiny_cfg):
+    cfg = tiny_cfg
+    target = scaled_target(cfg, 0.1)
+    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0)), 0.0, 30.0)
+    speculative.generate(target, drafter, np.arange(3, 13), max_new_tokens=16)
+    n = speculative.compiled_programs()
+    out = speculative.generate(target, drafter, np.arange(20, 50), max_new_tokens=16, seed=5)  # same bucket (64)
+    assert speculative.compiled_programs() == n
+    assert out.num_tokens == 16
+
+
+def test_eos_stops_and_is_kept(tiny_cfg):
+    cfg = tiny_cfg
+    target = scaled_target(cfg, 0.0)
+    g = bigram_map(target)
+    drafter = markov_drafter(target, g, 0.0, 30.0)
+    p = np.array([5, 6, 7])
+    full = speculative.generate(target, None, p, max_new_tokens=40, eos_token_id=-1).tokens
+    eos = int(full[5])
+    for d in (None, drafter):
+        out = speculative.generate(target, d, p, max_new_tokens=40, eos_token_id=eos)
+        first = int(np.argmax(full == eos))
+        np.testing.assert_array_equal(out.tokens, full[:first + 1])
+
+
+def test_bad_input(tiny_cfg):
+    target = kimi.KimiForCausalLM(tiny_cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative.generate(target, None, [1, tiny_cfg.vocab_size])
+    with pytest.raises(ValueError, match="batch 1"):
+        speculative.generate(target, None, np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative.generate(target, None, [1, 2], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        speculative.generate(target, None, [1, 2], temperature=1.0, top_p=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+def _exact_first3(target, prompt, sp: SamplingParams) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) under the target's processed distribution, by enumeration: [V, V, V]."""
+    V = target.config.vocab_size
+    P = len(prompt)
+    seqs = np.array([list(prompt) + [a, b] for a in range(V) for b in range(V)], np.int32)
+    out = target.prefill(seqs, target.init_cache(V * V, P + 2))
+    lp = process_logits(out.logits, sp)  # [V*V, P+2, V]
+    p1 = np.exp(np.asarray(lp[0, P - 1]))
+    p2 = np.exp(np.asarray(lp[::V, P]))  # rows with b = 0: prefix (prompt, a)
+    p3 = np.exp(np.asarray(lp[:, P + 1])).reshape(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _sample_first3(target, drafter, prompt, sp: SamplingParams, n: int, seed: int) -> np.ndarray:
+    t_graph, t_state = nnx.split(target)
+    d_graph, d_state = nnx.split(drafter)
+    padded = jnp.asarray(np.array(prompt, np.int32)[None])
+    prog = jax.jit(jax.vmap(
+        lambda k: speculative._generate_program(t_graph, d_graph, 3, sp, -1, 0.0, t_state, d_state, padded,
+                                                jnp.int32(len(prompt)), k)[0][:3]))
+    return np.asarray(prog(jax.random.split(jax.random.key(seed), n)))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_lossless_sampling_distribution(temperature, top_p):
+    """G-test of the joint law of the first 3 tokens under DSpark sampling against the target's exact law.
+    False-failure rate: the test fails when p < 1e-3, so a correct sampler fails it with probability 1e-3."""
+    # 16 experts: every forward here routes fewer rows than experts, so the MoE takes the gathered path (vmappable)
+    cfg = kimi.KimiConfig.tiny(vocab_size=8, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts=16)
+    target = scaled_target(cfg, 0.5, seed=2)
+    g = bigram_map(scaled_target(cfg, 0.0, seed=2))
+    drafter = markov_drafter(target, g, 0.2, 1.0, seed=2)  # soft q, partly wrong: accepts and rejects both happen
+    sp = SamplingParams(temperature, 0, top_p)
+    prompt = [3, 5, 4]
+    exact = _exact_first3(target, prompt, sp).reshape(-1)
+    n = 4000
+    draws = _sample_first3(target, drafter, prompt, sp, n, seed=int(temperature * 10))
+    idx = draws[:, 0] * 64 + draws[:, 1] * 8 + draws[:, 2]
+    counts = np.bincount(idx, minlength=512).astype(float)
+    assert counts[exact == 0].sum() == 0, "sampled a sequence the target gives probability 0"
+    expected = exact * n
+    # pool cells with expected count < 5 into one
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    g_stat = 2 * np.sum(np.where(obs[keep] > 0, obs[keep] * np.log(obs[keep] / exp[keep]), 0.0))
+    dof = keep.sum() - 1
+    p_value = sps.chi2.sf(g_stat, dof)
+    assert p_value > 1e-3, f"G={g_stat:.1f} dof={dof} p={p_value:.2e}"
+    # and the drafter is neither always right nor always wrong here
+    acc = speculative.generate(target, drafter, prompt, max_new_tokens=32, temperature=temperature, top_p=top_p,
+                               eos_token_id=-1).stats
+    assert 0.2 < acc.acceptance_rate < 0.9
