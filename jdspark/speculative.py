@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits, sample
 from kimi.cache import KimiCache, select_verified
@@ -87,7 +88,7 @@ def _bucket(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int):
+def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int, stream=None):
     """Append the first n_new of new_K to the output; stop at EOS (kept) or max_new."""
     K = new_K.shape[0]
     out = jax.lax.dynamic_update_slice(st.out, new_K, (st.n_out,))
@@ -95,8 +96,11 @@ def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int):
     first_eos = jnp.argmax(is_eos)
     hit = is_eos.any()
     n_take = jnp.where(hit, first_eos + 1, n_new)
+    n_take = jnp.minimum(n_take, max_new - st.n_out)
     n_out = st.n_out + n_take
     done = hit | (n_out >= max_new)
+    if stream is not None:
+        io_callback(lambda toks, n: stream(np.asarray(toks)[: int(n)]), None, new_K, n_take, ordered=True)
     return out, n_out, done
 
 
@@ -130,8 +134,11 @@ def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, ke
 
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
-                      t_state, d_state, prompt_1P, prompt_len, key):
-    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold."""
+                      t_state, d_state, prompt_1P, prompt_len, key, stream=None):
+    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold, stream.
+
+    ``stream`` (a host function of the newly committed token ids) is called once per step through
+    ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     cfg = target.config
@@ -155,14 +162,14 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     st = _Loop(out=out, n_out=jnp.int32(0), anchor=first, cache=pre.cache, dcache=dcache, key=key,
                done=jnp.bool_(False),
                stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
-    o, n_out, done = _emit(st, first, jnp.int32(1), eos_id, max_new)
+    o, n_out, done = _emit(st, first, jnp.int32(1), eos_id, max_new, stream)
     st = dataclasses.replace(st, out=o, n_out=n_out, done=done)
 
     def plain_step(st: _Loop) -> _Loop:
         key, k = jax.random.split(st.key)
         res = target.forward(st.anchor[:, None], st.cache, mode="decode")
         nxt = sample(k, res.logits, sp)
-        o, n_out, done = _emit(st, nxt, jnp.int32(1), eos_id, max_new)
+        o, n_out, done = _emit(st, nxt, jnp.int32(1), eos_id, max_new, stream)
         stats = dataclasses.replace(st.stats, target_steps=st.stats.target_steps + 1)
         return _Loop(o, n_out, nxt, res.cache, None, key, done, stats)
 
@@ -181,7 +188,7 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
         new = jnp.concatenate([drafts_G, jnp.zeros((1,), jnp.int32)])
         new = new.at[m].set(nxt)
-        o, n_out, done = _emit(st, new, m + 1, eos_id, max_new)
+        o, n_out, done = _emit(st, new, m + 1, eos_id, max_new, stream)
         acc = st.stats.accept_counts + (jnp.arange(G) < m).astype(jnp.int32)
         stats = GenStats(st.stats.target_steps + 1, st.stats.drafted + n_verify, st.stats.accepted + m, acc)
         return _Loop(o, n_out, nxt[None], cache, dcache, key, done, stats)
@@ -191,17 +198,18 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     return st.out, st.n_out, st.stats
 
 
-_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5))
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11))
 
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
-             prompt_bucket: int = 64) -> GenerateOutput:
+             prompt_bucket: int = 64, stream=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` so prompts of
     the same padded length share one compiled program. EOS (default: the target's eos_token_id; -1 disables it)
-    ends the generation and is included in the output."""
+    ends the generation and is included in the output. ``stream(ids)`` receives the committed tokens step by
+    step (host callback: slower, for interactive display)."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -234,8 +242,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),
                                       t_state, d_state, jnp.asarray(padded), jnp.int32(len(ids)),
-                                      jax.random.key(seed))
-    n = min(int(n_out), int(max_new_tokens))
+                                      jax.random.key(seed), stream)
+    n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 
 

@@ -80,6 +80,8 @@ CONFIG_FILE = "config.json"
 # The mapping table: NNX state path (regex, dotted) -> official checkpoint name (template) and transform.
 _L = r"model\.layers\.(?P<i>\d+)\."
 _CL = "model.layers.{i}."
+# routed experts: one checkpoint tensor per expert, dense ("weight") or MXFP4 ("weight_packed" + "weight_scale")
+_EXPERT = {s: _CL + "block_sparse_moe.experts.{e}.{w}." + s for s in ("weight", "weight_packed", "weight_scale")}
 PARAM_TABLE: tuple[tuple[str, str, str], ...] = (
     # NNX path                                                          checkpoint name                      transform
     (r"model\.embed_tokens\.embedding", "model.embed_tokens.weight", "copy"),
@@ -108,11 +110,9 @@ PARAM_TABLE: tuple[tuple[str, str, str], ...] = (
     (_L + r"block_sparse_moe\.routed_expert_norm\.weight", _CL + "block_sparse_moe.routed_expert_norm.weight", "copy"),
     (_L + r"block_sparse_moe\.shared_experts\.(?P<p>gate_proj|up_proj|down_proj)\.kernel",
      _CL + "block_sparse_moe.shared_experts.{p}.weight", "linear"),
-    (_L + r"block_sparse_moe\.experts\.(?P<w>w[123])", _CL + "block_sparse_moe.experts.{e}.{w}.weight", "experts"),
-    (_L + r"block_sparse_moe\.experts\.(?P<w>w[123])_packed", _CL + "block_sparse_moe.experts.{e}.{w}.weight_packed",
-     "experts"),
-    (_L + r"block_sparse_moe\.experts\.(?P<w>w[123])_scale", _CL + "block_sparse_moe.experts.{e}.{w}.weight_scale",
-     "experts"),
+    (_L + r"block_sparse_moe\.experts\.(?P<w>w[123])", _EXPERT["weight"], "experts"),
+    (_L + r"block_sparse_moe\.experts\.(?P<w>w[123])_packed", _EXPERT["weight_packed"], "experts"),
+    (_L + r"block_sparse_moe\.experts\.(?P<w>w[123])_scale", _EXPERT["weight_scale"], "experts"),
     # model level
     (r"model\.norm\.weight", "model.norm.weight", "copy"),
     (r"model\.output_attn_res_norm\.weight", "model.output_attn_res_norm.weight", "copy"),
@@ -492,12 +492,11 @@ def _plan_experts(i, w, group, provided, cfg, report, used) -> list:
         I = 2 * H2
     else:
         E, O, I = by_kind["dense"].shape
-    base = f"model.layers.{i}.block_sparse_moe.experts.{{e}}.{w}."
     layouts = {
         "dense": {"weight": ((O, I), _FLOAT_OK)},
         "mxfp4": {"weight_packed": ((O, I // 2), ("U8",)), "weight_scale": ((O, I // mxfp4.BLOCK_SIZE), ("U8",))},
     }
-    present = {fmt: sum((base + suffix).format(e=e) in provided for suffix in lay for e in range(E))
+    present = {fmt: sum(_EXPERT[suffix].format(i=i, e=e, w=w) in provided for suffix in lay for e in range(E))
                / (E * len(lay)) for fmt, lay in layouts.items()}
     complete = [f for f in ("mxfp4", "dense") if present[f] == 1.0]
     if complete:
@@ -509,7 +508,7 @@ def _plan_experts(i, w, group, provided, cfg, report, used) -> list:
     for suffix, (shape, kinds) in layouts[src_fmt].items():
         srcs[suffix] = []
         for e in range(E):
-            name = (base + suffix).format(e=e)
+            name = _EXPERT[suffix].format(i=i, e=e, w=w)
             src = provided.get(name)
             if src is None:
                 report.missing.append(f"{name}: expected {_fmt_shape(shape)} {'|'.join(kinds)}")
@@ -733,7 +732,7 @@ def save_checkpoint(model, out_dir, max_shard_bytes: Optional[int] = None) -> st
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(cfg.to_hf_config(), f, indent=2)
             f.write("\n")
-        if len(shards) == 1 and max_shard_bytes is None:
+        if len(shards) == 1:  # everything fits: one file, no index (as transformers does)
             _write_safetensors(os.path.join(tmp, SINGLE_FILE), shards[0], fetch)
         else:
             n = len(shards)

@@ -277,7 +277,7 @@ class KimiConfig:
         top = raw
         if "text_config" in raw and isinstance(raw["text_config"], dict):
             raw = dict(raw["text_config"])
-            for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config"):
                 if k not in raw and k in top:
                     raw[k] = top[k]
         return cls(**{**_hf_to_fields(raw), **overrides})  # overrides win over config.json

@@ -262,6 +262,19 @@ class Router(nnx.Module):
         return jnp.dot(x_TD.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
 
 
+def moe_dispatch(rows: int, top_k: int, num_experts: int) -> str:
+    """The one place that picks how routed experts run, from static shapes:
+    'gathered' when the rows route to fewer slots than there are experts (decode, small verifies): only the routed
+    experts' weights are read; 'all' when every expert is likely touched anyway and the rows are few (a verify
+    block on a small model): each expert once, no sort; 'grouped' otherwise (prefill, training): sort by expert
+    and a grouped matmul."""
+    if rows * top_k < num_experts:
+        return "gathered"
+    if rows <= 16:
+        return "all"
+    return "grouped"
+
+
 class RoutedExperts(nnx.Module):
     """E experts, each W2 act(W1 z, W3 z), in the checkpoint's [E, out, in] layout: dense Params, or MXFP4
     codes [E, out, in/2] + E8M0 scales [E, out, in/32] dequantised only for the experts a token routes to."""
@@ -300,10 +313,14 @@ class RoutedExperts(nnx.Module):
         c = self.cfg
         T, X = idx_TX.shape
         act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
-        if T * X < c.num_experts:  # few rows: touch only the routed experts
+        path = moe_dispatch(T, X, c.num_experts)
+        if path == "gathered":
             return moe_ops.experts_gathered(z_TD, w_TX, self.weight("w1", idx_TX, z_TD.dtype),
                                             self.weight("w3", idx_TX, z_TD.dtype),
                                             self.weight("w2", idx_TX, z_TD.dtype), *act)
+        if path == "all":
+            return moe_ops.experts_all(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
+                                       self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype), *act)
         return moe_ops.experts_grouped(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                        self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype), *act)
 

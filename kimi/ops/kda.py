@@ -191,7 +191,8 @@ def kda_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, scale=None):
     return _delta_step(q * _default_scale(scale, K), k, v, g, beta, S)
 
 
-def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, scale=None, return_all_states=False):
+def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, scale=None, return_all_states=False,
+                  unroll=1):
     """Reference KDA: ``lax.scan`` of :func:`kda_step` over time (FLA ``naive_recurrent_kda``).
 
     Per (b, h) and token t:  S' = Diag(exp g_t) S;  S = S' + beta_t k_t (v_t - S'^T k_t)^T;  o_t = S^T (q_t scale).
@@ -199,6 +200,7 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, sca
     Args: q, k [B,T,H,K] (not normalised here), v [B,T,H,V], g [B,T,H,K] log-space decay, beta [B,T,H] (already
     sigmoided), state [B,H,K,V] (None = zeros), scale (None = K ** -0.5).
     Returns ``(o_BTHV, final_state_BHKV)``; with ``return_all_states`` also ``states_BTHKV`` (state after token t).
+    ``unroll`` is passed to ``lax.scan`` (True for a short verify block: one fused program, no loop).
     """
     q, k, v, g, beta = map(_f32, (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
     B, T, H, K = q.shape
@@ -210,7 +212,7 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, sca
         return S, ((o, S) if return_all_states else o)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    S_final, ys = lax.scan(body, S0, xs)
+    S_final, ys = lax.scan(body, S0, xs, unroll=unroll)
     if not return_all_states:
         return jnp.moveaxis(ys, 0, 1), S_final
     o_TBHV, states_TBHKV = ys

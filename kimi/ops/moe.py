@@ -11,6 +11,9 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
             decode and verify, which touches nothing but the top-k experts.
   grouped:  sort the T*X assignments by expert and run a grouped matmul (ragged_dot) over the sorted rows; the
             path for prefill and training.
+  all:      every row through every expert, combined with the routing weights; for a few rows that touch most
+            experts anyway (a verify block on a small model).
+kimi.layers.moe_dispatch picks one from static shapes.
 """
 
 import jax
@@ -67,8 +70,9 @@ def experts_grouped(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=N
     return out.astype(dt)
 
 
-def experts_dense_reference(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):
-    """Every token through every expert, then a one-hot combine: the slow obvious form, for tests."""
+def experts_all(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):
+    """Every row through every expert, then a combine with the routing weights (zero for unrouted experts): reads
+    each expert once with no sort; the fastest form for a few rows that touch most experts. Also the reference."""
     g = jnp.einsum("td,efd->tef", x_TD, w1_EFD)
     u = jnp.einsum("td,efd->tef", x_TD, w3_EFD)
     y_TED = jnp.einsum("tef,edf->ted", glu(g, u, act, beta, linear_beta), w2_EDF)

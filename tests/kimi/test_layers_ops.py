@@ -87,7 +87,7 @@ def test_moe_paths_agree(act):
     T, X = 7, 2
     x = jax.random.normal(jax.random.key(3), (T, 32))
     w, idx = moe.route(jax.random.normal(jax.random.key(4), (T, 6)), jnp.zeros(6), X)
-    ref = moe.experts_dense_reference(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
+    ref = moe.experts_all(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
     g = moe.experts_grouped(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
     ga = moe.experts_gathered(x, w, w1[idx], w3[idx], w2[idx], act, 4.0, 25.0)
     np.testing.assert_allclose(g, ref, atol=1e-5)
