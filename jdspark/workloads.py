@@ -1,0 +1,107 @@
+"""Benchmark workloads: prompt documents for code, structured text and prose, found on the machine.
+
+  code        the validation split of the training corpus (the stdlib's held-out files; never trained on)
+  structured  JSON / TOML / YAML / INI / CFG files installed on the machine (package metadata, schemas, configs)
+  prose       plain English text installed on the machine (licenses, READMEs, documentation)
+Any directory of text files can be measured instead (``documents_from_dir``). The target is trained on Python
+source only, so structured text and prose are out of distribution for it: they show how acceptance moves with the
+workload, which is the question a user asks first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Iterable, Optional
+
+WORKLOADS = ("code", "structured", "prose")
+_STRUCTURED_EXT = (".json", ".toml", ".yaml", ".yml", ".ini", ".cfg")
+_PROSE_NAMES = ("README", "README.txt", "README.md", "README.rst", "LICENSE", "LICENSE.txt", "COPYING", "NOTICE",
+                "copyright", "AUTHORS")
+_MAX_FILES = 400
+_MIN_BYTES = 1024
+_MAX_BYTES = 1 << 20
+
+
+def _roots() -> list[Path]:
+    """Places that exist on every machine of this kind (the interpreter, its packages, Debian's shared data)."""
+    paths = sysconfig.get_paths()
+    cands = [paths.get("purelib"), paths.get("platlib"), os.path.join(sys.prefix, "lib"),
+             "/usr/share/common-licenses", "/usr/share/doc", "/usr/share", paths.get("stdlib")]
+    seen, out = set(), []
+    for c in cands:
+        if c and os.path.isdir(c) and os.path.realpath(c) not in seen:
+            seen.add(os.path.realpath(c))
+            out.append(Path(c))
+    return out
+
+
+def _is_text(data: bytes) -> bool:
+    if b"\x00" in data[:4096]:
+        return False
+    try:
+        data[:4096].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _walk(root: Path, want) -> Iterable[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", ".git", "node_modules"))
+        for f in sorted(filenames):
+            if want(f):
+                yield Path(dirpath) / f
+
+
+def _collect(want, limit: int = _MAX_FILES) -> list[bytes]:
+    docs, seen = [], set()
+    for root in _roots():
+        for p in _walk(root, want):
+            try:
+                if not _MIN_BYTES <= p.stat().st_size <= _MAX_BYTES:
+                    continue
+                data = p.read_bytes()
+            except OSError:
+                continue
+            if data in seen or not _is_text(data):
+                continue
+            seen.add(data)
+            docs.append(data)
+            if len(docs) >= limit:
+                return docs
+    return docs
+
+
+def documents(workload: str, corpus: Optional[str] = None) -> list[bytes]:
+    """The documents prompts of ``workload`` are cut from."""
+    from jdspark import data as jdata
+
+    if workload == "code":
+        return jdata.read_documents(jdata.list_files(corpus, "val"))
+    if workload == "structured":
+        return _collect(lambda f: f.lower().endswith(_STRUCTURED_EXT))
+    if workload == "prose":
+        return _collect(lambda f: f in _PROSE_NAMES or (f.lower().endswith((".txt", ".rst")) and
+                                                        not f.lower().startswith(("requirements", "entry_points",
+                                                                                  "top_level", "dependency"))))
+    raise ValueError(f"workload: expected one of {WORKLOADS}, got {workload!r}")
+
+
+def documents_from_dir(path: str) -> list[bytes]:
+    """Every text file under ``path`` (any extension)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--corpus: {path} is not a directory")
+    docs = []
+    for p in _walk(Path(path), lambda f: True):
+        try:
+            data = p.read_bytes()
+        except OSError:
+            continue
+        if data and _is_text(data):
+            docs.append(data)
+    if not docs:
+        raise ValueError(f"--corpus: no text files under {path}")
+    return docs

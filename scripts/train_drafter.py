@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Train the DSpark drafter on hidden states from the shipped target's own serving forward.
+
+    python scripts/train_drafter.py --target checkpoints/default/target --out runs/drafter --steps 1500
+    python scripts/train_drafter.py ... --resume                 # continue exactly from the last checkpoint
+    python scripts/train_drafter.py ... --export checkpoints/default/drafter   # speculators format
+
+The target is loaded as shipped (experts MXFP4) and frozen; each step runs its jitted prefill over a packed batch
+of the training corpus for the taps and final hidden states (online extraction), then one AdamW step of the
+drafter on speculators' DSpark objective (jdspark.train). Reports the analytic accept_len and per-position
+accuracy on held-out files; orbax checkpoints (atomic, last --keep) with --resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax
+import numpy as np
+from flax import nnx
+
+import jdspark
+import kimi
+from jdspark import data as jdata
+from jdspark import train as jt
+
+
+def build_drafter(target, a) -> jdspark.DSparkDrafter:
+    cfg = target.config
+    L = cfg.num_hidden_layers
+    taps = tuple(int(t) for t in a.taps.split(",")) if a.taps else (1, L // 2, L - 1)
+    dc = jdspark.DSparkConfig.for_target(cfg, block_size=a.block_size, num_hidden_layers=a.layers,
+                                         markov_rank=a.markov_rank, mask_token_id=jdata.MASK_ID,
+                                         aux_hidden_state_layer_ids=taps, num_attention_heads=a.heads,
+                                         intermediate_size=a.intermediate or 2 * cfg.hidden_size)
+    return jdspark.DSparkDrafter(dc, target=target, rngs=nnx.Rngs(a.seed))
+
+
+def train(a) -> dict:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = kimi.load_checkpoint(a.target)
+    drafter = build_drafter(target, a)
+    t_graph, t_state = nnx.split(target)
+    d_graph, params, rest = jt.split_drafter(drafter)
+    opt = jt.OptConfig(lr=a.lr, steps=a.steps, warmup=min(100, a.steps // 20 + 1), min_lr_ratio=0.1,
+                       weight_decay=0.0, clip=1.0)
+    opt_state = jt.make_optimizer(opt).init(params)
+    mngr = jt.ckpt_manager(out, a.keep)
+    start = 0
+    if a.resume and mngr.latest_step() is not None:
+        (params, opt_state), meta = jt.restore_state(mngr, mngr.latest_step(), (params, opt_state))
+        start = int(meta["step"])
+        print(f"[train_drafter] resumed at step {start}", file=sys.stderr)
+    ds = jdata.PackedDataset(jdata.read_documents(jdata.list_files(a.corpus, "train")), batch=a.batch,
+                             seq_len=a.seq_len, seed=a.seed)
+    val = jdata.validation_batches(batch=a.batch, seq_len=a.seq_len, num_batches=a.val_batches, corpus=a.corpus)
+    kw = dict(d_graph=d_graph, t_graph=t_graph, num_anchors=a.anchors, loss=a.loss)
+
+    def evaluate(params):
+        ms = [jt.drafter_eval_step(params, rest, t_state, b.tokens[:, :-1], b.doc_ids[:, :-1],
+                                   jax.random.key(10_000 + i), **kw) for i, b in enumerate(val)]
+        return jt.summarize(jax.device_get(ms), drafter.config.block_size)
+
+    t0, toks, history = time.time(), 0, []
+    for step in range(start, a.steps):
+        b = ds.batch_at(step)
+        key = jax.random.fold_in(jax.random.key(a.seed), step)
+        params, opt_state, m = jt.drafter_train_step(params, opt_state, rest, t_state, b.tokens[:, :-1],
+                                                     b.doc_ids[:, :-1], key, opt=opt, **kw)
+        toks += b.tokens[:, :-1].size
+        if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
+            s = jt.summarize([jax.device_get(m)], drafter.config.block_size)
+            rate = toks / (time.time() - t0)
+            print(f"[train_drafter] step {step + 1}/{a.steps} loss {s['loss']:.4f} accept_len {s['accept_len']:.2f} "
+                  f"{rate:.0f} tok/s", file=sys.stderr, flush=True)
+        if (step + 1) % a.val_every == 0 or step + 1 == a.steps:
+            v = evaluate(params)
+            v["step"] = step + 1
+            history.append(v)
+            print(f"[train_drafter] val step {step + 1}: loss {v['loss']:.4f} accept_len {v['accept_len']:.2f} "
+                  f"greedy {v['greedy_accept_len']:.2f} per-position {np.round(v['per_position_acc'], 2).tolist()}",
+                  file=sys.stderr, flush=True)
+        if (step + 1) % a.ckpt_every == 0 or step + 1 == a.steps:
+            jt.save_state(mngr, step + 1, (params, opt_state), {"step": step + 1})
+        if a.stop_at is not None and step + 1 >= a.stop_at:
+            break
+    mngr.wait_until_finished()
+    drafter = nnx.merge(d_graph, params, rest)
+    if a.export:
+        jdspark.save_drafter(drafter, a.export)
+    return {"steps": a.steps, "final": history[-1] if history else None, "tokens_per_s": toks / (time.time() - t0),
+            "export": a.export, "_drafter": drafter}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="the target checkpoint folder (HF-style, as shipped)")
+    p.add_argument("--out", default="runs/drafter")
+    p.add_argument("--corpus", default=None)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--anchors", type=int, default=256, help="blocks per packed batch")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--loss", default="kl_div")
+    p.add_argument("--block-size", type=int, default=7)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--taps", default=None, help="comma-separated target layer ids (inputs of those layers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-every", type=int, default=250)
+    p.add_argument("--val-batches", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=250)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step")
+    p.add_argument("--export", default=None, help="write the trained drafter here (speculators format)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    for k in ("steps", "batch", "seq_len", "anchors", "block_size", "layers"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    return a
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    res = train(a)
+    if a.json:
+        print(json.dumps({k: v for k, v in res.items() if not k.startswith("_")}, separators=(",", ":")))
+    return res
+
+
+if __name__ == "__main__":
+    main()

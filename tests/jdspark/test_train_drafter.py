@@ -1,0 +1,46 @@
+"""Drafter training smoke test: a few steps on a tiny exported target, export in speculators format, and an
+interrupted run that resumes to the same parameters as an uninterrupted one."""
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import jdspark
+import kimi
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import train_drafter  # noqa: E402
+
+ARGS = ["--steps", "4", "--batch", "2", "--seq-len", "48", "--anchors", "8", "--val-every", "4", "--val-batches",
+        "1", "--ckpt-every", "2", "--log-every", "2", "--block-size", "4", "--markov-rank", "8"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("target")
+    cfg = kimi.KimiConfig.tiny(vocab_size=384, bos_token_id=256, eos_token_id=257, pad_token_id=259,
+                               expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64)
+    kimi.save_checkpoint(kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0)), str(d))
+    return str(d)
+
+
+def _params(drafter):
+    return jax.tree.leaves(nnx.state(drafter, nnx.Param))
+
+
+def test_smoke_and_resume(target_dir, tmp_path):
+    full = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "a"), "--export",
+                               str(tmp_path / "export")] + ARGS)
+    assert np.isfinite(full["final"]["loss"])
+    assert 1.0 <= full["final"]["accept_len"] <= 5.0
+    loaded = jdspark.load_drafter(str(tmp_path / "export"), target=kimi.load_checkpoint(target_dir))
+    for a, b in zip(_params(full["_drafter"]), _params(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--stop-at", "2"] + ARGS)
+    resumed = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--resume"] + ARGS)
+    for a, b in zip(_params(full["_drafter"]), _params(resumed["_drafter"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+    assert resumed["final"]["loss"] == pytest.approx(full["final"]["loss"], abs=1e-6)
