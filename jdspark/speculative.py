@@ -203,13 +203,14 @@ _generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11)
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
-             prompt_bucket: int = 64, stream=None) -> GenerateOutput:
+             prompt_bucket: int = 64, stream=None, mesh=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` so prompts of
     the same padded length share one compiled program. EOS (default: the target's eos_token_id; -1 disables it)
     ends the generation and is included in the output. ``stream(ids)`` receives the committed tokens step by
-    step (host callback: slower, for interactive display)."""
+    step (host callback: slower, for interactive display). ``mesh``: shard target and drafter on it by
+    sharding/rules.py (in place, once) and run the same program there."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -238,10 +239,18 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     P = _bucket(len(ids), prompt_bucket)
     padded = np.full((1, P), cfg.pad_token_id, np.int32)
     padded[0, :len(ids)] = ids
+    prompt = jnp.asarray(padded)
+    if mesh is not None:  # shard target and drafter by sharding/rules.py (once); the program runs on the mesh
+        import sharding
+
+        sharding.shard_model(target, mesh)
+        if drafter is not None:
+            sharding.shard_model(drafter, mesh, target.sharding_plan.rules)
+        prompt = sharding.replicate(padded, mesh)
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),
-                                      t_state, d_state, jnp.asarray(padded), jnp.int32(len(ids)),
+                                      t_state, d_state, prompt, jnp.int32(len(ids)),
                                       jax.random.key(seed), stream)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))

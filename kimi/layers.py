@@ -132,9 +132,16 @@ class KimiDeltaAttention(nnx.Module):
         """``valid_len_B`` (prefill only): positions t >= valid_len are padding; they leave the recurrent state
         (beta = 0, g = 0) and the conv state untouched."""
         cfg = self.cfg
+        if cfg.kernels == "pallas" and mode in ("decode", "verify"):  # the fused Pallas step (kimi/kernels)
+            from kimi.kernels.kda_decode import kda_layer_step
+            return KDAOut(*kda_layer_step(self, x_BTD, state_BHKV, conv_BWC, verify=mode == "verify"))
         B, T, _ = x_BTD.shape
         H, K, P = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
-        pre_BTC = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
+        pre = jnp.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=2)  # [B, T, 3, P]
+        plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
+        if plan is not None:  # q|k|v side by side: their head splits don't line up along 3P, so gather them once
+            pre = plan.constrain(pre, ("batch", None, None, None))
+        pre_BTC = pre.reshape(B, T, 3 * P)
         w_CK = self.conv_weight_CK()
         convs = None
         if mode == "verify":
@@ -146,10 +153,12 @@ class KimiDeltaAttention(nnx.Module):
             xx = jnp.concatenate([conv_BWC, pre_BTC.astype(conv_BWC.dtype)], axis=1)
             new_conv = jax.vmap(lambda a, n: jax.lax.dynamic_slice_in_dim(a, n, W, axis=0))(xx, valid_len_B)
         conv_BWC = new_conv
-        q, k, v = jnp.split(qkv_BTC.astype(jnp.float32), 3, axis=-1)
-        q = kda_ops.l2norm(q.reshape(B, T, H, K))
-        k = kda_ops.l2norm(k.reshape(B, T, H, K))
-        v = v.reshape(B, T, H, K)
+        if plan is not None:  # the conv runs on the gathered channels; each device then takes its heads
+            qkv_BTC = plan.constrain(qkv_BTC, ("batch", None, None))
+        qkv = qkv_BTC.astype(jnp.float32).reshape(B, T, 3, H, K)  # (not jnp.split: keeps the head split local)
+        q = kda_ops.l2norm(qkv[:, :, 0])
+        k = kda_ops.l2norm(qkv[:, :, 1])
+        v = qkv[:, :, 2]
         a_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).astype(jnp.float32).reshape(B, T, H, K)
         A_log_H = self.A_log[...][:H]
         dt_bias_HK = self.dt_bias[...].reshape(H, K)
@@ -310,10 +319,16 @@ class RoutedExperts(nnx.Module):
         return (w if idx is None else w[idx]).astype(dtype)
 
     def __call__(self, z_TD, w_TX, idx_TX):
+        ep = getattr(self, "expert_parallel", None)  # set by sharding.shard_model: experts under jax.shard_map
+        if ep is not None:
+            return ep(self, z_TD, w_TX, idx_TX)
         c = self.cfg
         T, X = idx_TX.shape
         act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
         path = moe_dispatch(T, X, c.num_experts)
+        if c.kernels == "pallas" and c.expert_format == "mxfp4":  # Pallas kernels on the packed weights
+            from kimi.kernels.mxfp4_moe import routed_experts
+            return routed_experts(self, z_TD, w_TX, idx_TX, decode=path == "gathered")
         if path == "gathered":
             return moe_ops.experts_gathered(z_TD, w_TX, self.weight("w1", idx_TX, z_TD.dtype),
                                             self.weight("w3", idx_TX, z_TD.dtype),
@@ -360,6 +375,9 @@ class LatentMoE(nnx.Module):
         if c.routed_expert_hidden_size is not None:
             if c.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
+                plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
+                if plan is not None:  # normalise whole latent rows (not latent shards: saves a reduction)
+                    y = plan.constrain(y, ("batch", None))
             y = self.routed_expert_up_proj(y)
         if c.num_shared_experts:
             y = y + self.shared_experts(x_TD)

@@ -162,6 +162,9 @@ class KimiForCausalLM(nnx.Module):
             kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
             mla_ckv=stack(new_ckv, ckv), mla_kpe=stack(new_kpe, kpe),
             length=cache.length + (T if valid_len_B is None else valid_len_B.astype(jnp.int32)))
+        plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model: keep the cache's layout
+        if plan is not None:
+            new_cache = plan.constrain_cache(new_cache)
         out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,
                        taps=jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None)
         if mode == "verify":
@@ -194,22 +197,29 @@ class KimiForCausalLM(nnx.Module):
             raise ValueError(f"{name}: {need} positions needed but the cache holds max_len={cache.max_len}; "
                              f"allocate a larger cache with init_cache(max_len=...)")
 
-    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
+        """``mesh``: run sharded on it (sharding.on_mesh: parameters once, the cache and tokens by the rules)."""
         if np.ndim(tokens_BT) != 2:
             raise ValueError(f"prefill: expected tokens [B, T], got shape {np.shape(tokens_BT)}")
         self._check(tokens_BT, cache, "prefill")
+        if mesh is not None:
+            tokens_BT, cache = _on_mesh(self, mesh, tokens_BT, cache)
         return run_forward(self, jnp.asarray(tokens_BT, jnp.int32), cache, "prefill", tuple(tap_layers))
 
-    def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+    def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
         if np.ndim(token_B) != 1:
             raise ValueError(f"decode: expected tokens [B], got shape {np.shape(token_B)}")
         self._check(token_B, cache, "decode")
+        if mesh is not None:
+            token_B, cache = _on_mesh(self, mesh, token_B, cache)
         return run_forward(self, jnp.asarray(token_B, jnp.int32)[:, None], cache, "decode", tuple(tap_layers))
 
-    def verify(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+    def verify(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
         if np.ndim(tokens_BT) != 2:
             raise ValueError(f"verify: expected tokens [B, T], got shape {np.shape(tokens_BT)}")
         self._check(tokens_BT, cache, "verify")
+        if mesh is not None:
+            tokens_BT, cache = _on_mesh(self, mesh, tokens_BT, cache)
         return run_forward(self, jnp.asarray(tokens_BT, jnp.int32), cache, "verify", tuple(tap_layers))
 
     @staticmethod
@@ -217,6 +227,12 @@ class KimiForCausalLM(nnx.Module):
         """The cache after keeping only the first ``n_keep`` verified positions (see cache.select_verified)."""
         return select_verified(out.cache, out.kda_states, out.conv_states, jnp.asarray(length_before_B),
                                jnp.asarray(n_keep_B))
+
+
+def _on_mesh(model, mesh, tokens, cache):
+    from sharding.shard import on_mesh  # sharding imports kimi, not the other way round
+
+    return on_mesh(model, mesh, np.asarray(tokens, np.int32), cache)
 
 
 def _forward_pure(graphdef, state, tokens_BT, cache, mode, tap_layers):
