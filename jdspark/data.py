@@ -280,19 +280,25 @@ WORKLOADS = ("code",)
 
 def heldout_prompts(n: int, prompt_len: int, workload: str = "code", *, corpus=None, seed: int = 0,
                     bos: bool = True, min_continuation: int = 256) -> list[np.ndarray]:
-    """``n`` prompts of exactly ``prompt_len`` token ids cut from validation files at line starts.
-
-    ``workload="code"`` takes the validation split of the stdlib corpus (or of ``corpus=DIR``). Each prompt is
-    ``[BOS] + bytes`` when ``bos`` (else bytes only); it starts at the beginning of a line, not in leading blank
-    space, and at least ``min_continuation`` bytes of the file follow it (room for the reference continuation).
-    Files are visited round-robin in a seeded order, so prompts come from as many different files as possible.
-    """
+    """``n`` prompts of exactly ``prompt_len`` token ids cut from the validation files (never trained on) of the
+    stdlib corpus (or of ``corpus=DIR``); see ``prompts_from_documents``."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {WORKLOADS}, got {workload!r}")
+    return prompts_from_documents(read_documents(list_files(corpus, "val")), n, prompt_len, seed=seed, bos=bos,
+                                  min_continuation=min_continuation)
+
+
+def prompts_from_documents(docs: Sequence[bytes], n: int, prompt_len: int, *, seed: int = 0, bos: bool = True,
+                           min_continuation: int = 256) -> list[np.ndarray]:
+    """``n`` prompts of exactly ``prompt_len`` token ids cut from ``docs`` at line starts.
+
+    Each prompt is ``[BOS] + bytes`` when ``bos`` (else bytes only); it starts at the beginning of a line, not in
+    leading blank space, and at least ``min_continuation`` bytes of the document follow it. Documents are visited
+    round-robin in a seeded order, so prompts come from as many different documents as possible.
+    """
     if n <= 0 or prompt_len <= (1 if bos else 0):
-        raise ValueError(f"heldout_prompts: need n > 0 and prompt_len > {1 if bos else 0}, got {n}, {prompt_len}")
+        raise ValueError(f"prompts: need n > 0 and prompt_len > {1 if bos else 0}, got {n}, {prompt_len}")
     body = prompt_len - 1 if bos else prompt_len
-    docs = read_documents(list_files(corpus, "val"))
     rng = _rng(seed, 11)
     cands = []  # per file: shuffled usable line starts
     for d in docs:
@@ -303,7 +309,7 @@ def heldout_prompts(n: int, prompt_len: int, workload: str = "code", *, corpus=N
         if ok.size:
             cands.append((d, rng.permutation(ok)))
     if not cands:
-        raise ValueError(f"no validation file is long enough for prompts of {prompt_len} tokens")
+        raise ValueError(f"no document is long enough for prompts of {prompt_len} tokens")
     order = rng.permutation(len(cands))
     out, r = [], 0
     while len(out) < n:
@@ -318,6 +324,6 @@ def heldout_prompts(n: int, prompt_len: int, workload: str = "code", *, corpus=N
                 if len(out) == n:
                     break
         if not progressed:
-            raise ValueError(f"only {len(out)} distinct prompts of {prompt_len} tokens in the validation files")
+            raise ValueError(f"only {len(out)} distinct prompts of {prompt_len} tokens in the documents")
         r += 1
     return out

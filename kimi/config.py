@@ -41,6 +41,9 @@ class KimiConfig:
     kda_use_full_rank_gate: bool = True  # output gate: full rank g_proj (K3) or g_a/g_b low rank (Kimi-Linear)
     kda_gate_lower_bound: Optional[float] = -5.0  # K3's sigmoid gate; None -> Kimi-Linear's softplus gate
     kda_chunk_size: int = 16
+    # prefill form of KDA: "chunked" (WY form, the GPU/TPU path), "recurrent" (a scan over tokens), or "auto":
+    # recurrent on CPU, where XLA runs the small per-token scan far faster than the chunk algebra
+    kda_prefill: Literal["auto", "chunked", "recurrent"] = "auto"
     # MoE
     num_experts: int = 8
     num_experts_per_token: int = 2
@@ -130,6 +133,8 @@ class KimiConfig:
             if self.expert_in_dim % 32:
                 bad("routed_expert_hidden_size", f"expert input width {self.expert_in_dim} must be a multiple of 32"
                     " for MXFP4 experts")
+        if self.kda_prefill not in ("auto", "chunked", "recurrent"):
+            bad("kda_prefill", f"expected 'auto', 'chunked' or 'recurrent', got {self.kda_prefill!r}")
         if self.kernels not in ("xla", "pallas"):
             bad("kernels", f"expected 'xla' or 'pallas', got {self.kernels!r}")
         if self.param_dtype not in ("float32", "bfloat16"):
@@ -239,11 +244,17 @@ class KimiConfig:
 
     @classmethod
     def demo(cls, **kw) -> "KimiConfig":
-        """Small K3-shaped model for the shipped default checkpoint (byte-level vocabulary)."""
+        """Small K3-shaped model for the shipped default checkpoint (byte-level vocabulary, jdspark.data).
+
+        Sized for scripts/train_target.py on a 2-core CPU (~1.5k tokens/s at 4 x 512 tokens per step): 6 layers
+        (KDA x4, MLA at 4 and 6, AttnRes blocks of 3), hidden 256, 8 experts top-2 + 1 shared (LatentMoE 128),
+        ~5.2M parameters, ~11 MB exported with MXFP4 experts (8 experts: a verify block touches every expert, and
+        on CPU the MoE runs every row through every expert). KDA chunks of 16: on XLA:CPU the chunked form's
+        triangular solve grows steeply with the chunk (32 is ~1.5x slower to train, 64 stalls)."""
         base = dict(
             vocab_size=384, hidden_size=256, num_hidden_layers=6, kda_layers=(1, 2, 3, 5), full_attn_layers=(4, 6),
             num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-            v_head_dim=32, kda_num_heads=4, kda_head_dim=64, kda_chunk_size=32, num_experts=16,
+            v_head_dim=32, kda_num_heads=4, kda_head_dim=64, kda_chunk_size=16, num_experts=8,
             num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=128, routed_expert_hidden_size=128,
             intermediate_size=512, attn_res_block_size=3, expert_format="mxfp4", bos_token_id=256, eos_token_id=257,
             pad_token_id=259, param_dtype="float32",

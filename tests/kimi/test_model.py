@@ -17,8 +17,8 @@ def _tokens(cfg, B, T, seed=1):
 
 @pytest.fixture(scope="module", params=["k3_tiny", "kimi_linear_tiny"])
 def setup(request):
-    if request.param == "k3_tiny":
-        cfg = kimi.KimiConfig.tiny()
+    if request.param == "k3_tiny":  # the chunked (WY) prefill; the other config takes "auto" (the scan on CPU)
+        cfg = kimi.KimiConfig.tiny(kda_prefill="chunked")
     else:  # Kimi-Linear features: plain residual, softplus gate, low-rank output gate, SwiGLU, no latent, no q LoRA
         cfg = kimi.KimiConfig.tiny(attn_res_block_size=None, kda_gate_lower_bound=None, kda_use_full_rank_gate=False,
                                    hidden_act="silu", routed_expert_hidden_size=None, latent_moe_use_norm=False,

@@ -1,0 +1,132 @@
+"""Plain decoding vs DSpark on the shipped default pair, side by side in one run, per workload.
+
+  python scripts/bench.py --json                    # workloads code / structured / prose
+  python scripts/bench.py --corpus DIR --json       # prompts cut from your own text files
+
+Batch 1, greedy, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes
+run the same prompts in the same process. Reports tokens/s of each, the speedup, accept_len (tokens per target
+step), per-position acceptance, and the cost model's prediction from the measured acceptance (seed 000's
+model, with r = the measured drafter pass over the measured plain decode step). The top-level fields describe the
+code workload (or the ``--corpus`` directory); ``workloads`` holds each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def _draft_pass_seconds(target, drafter, repeats: int = 50) -> float:
+    """Wall time of one drafter block pass (context attention + Markov head), jitted, warm."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jdspark.sampling import SamplingParams
+    from jdspark.speculative import _draft_block
+
+    ctx = 128
+    gd, st = nnx.split(drafter)
+    X = len(drafter.config.aux_hidden_state_layer_ids) * target.config.hidden_size
+    cache = drafter.append_context(drafter.init_cache(1, ctx + 64), jnp.zeros((1, ctx, X)), ctx)
+    emb, lm = target.embed_tokens.embedding[...], target.lm_head_DV()
+    f = jax.jit(lambda s, c, a, k: _draft_block(nnx.merge(gd, s), c, a, jnp.array([ctx]), emb, lm, k,
+                                                SamplingParams(), 0.0)[0])
+    args = (st, cache, jnp.ones((1,), jnp.int32), jax.random.key(0))
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        r = f(*args)
+    jax.block_until_ready(r)
+    return (time.perf_counter() - t0) / repeats
+
+
+def run_workload(target, drafter, prompts, max_new: int) -> dict:
+    import jdspark
+
+    kw = dict(max_new_tokens=max_new, eos_token_id=-1)  # fixed length: every prompt yields max_new tokens
+    jdspark.generate(target, None, prompts[0], **kw)  # compile + warm-up (excluded)
+    jdspark.generate(target, drafter, prompts[0], **kw)
+    t_ar = t_sp = 0.0
+    n_ar = n_sp = 0
+    steps = accepted = 0
+    counts = None
+    mismatches = 0
+    for p in prompts:
+        t0 = time.perf_counter()
+        ar = jdspark.generate(target, None, p, **kw)
+        t_ar += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        sp = jdspark.generate(target, drafter, p, **kw)
+        t_sp += time.perf_counter() - t0
+        n_ar += ar.num_tokens
+        n_sp += sp.num_tokens
+        mismatches += int(not np.array_equal(ar.tokens, sp.tokens))
+        steps += int(sp.stats.target_steps)
+        accepted += int(sp.stats.accepted)
+        c = np.asarray(sp.stats.accept_counts, np.int64)
+        counts = c if counts is None else counts + c
+    ar_tok_s, spec_tok_s = n_ar / t_ar, n_sp / t_sp
+    return {"prompts": len(prompts), "new_tokens": max_new, "ar_tok_s": ar_tok_s, "spec_tok_s": spec_tok_s,
+            "speedup": spec_tok_s / ar_tok_s, "accept_len": (accepted + steps) / steps,
+            "per_position_accept": (counts / steps).tolist(), "greedy_mismatches": mismatches,
+            "ar_step_s": t_ar / n_ar}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=None, help="folder with target/ and drafter/ (default: the shipped one)")
+    ap.add_argument("--corpus", help="measure prompts cut from the text files under this directory instead")
+    ap.add_argument("--workloads", nargs="+", default=["code", "structured", "prose"])
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (BOS included)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
+    a = ap.parse_args(argv)
+    if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1:
+        ap.error("--prompts, --prompt-len (>= 2) and --max-new-tokens must be positive")
+
+    import generate as gen
+    from jdspark import costmodel, workloads
+    from jdspark import data as jdata
+
+    target, drafter, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR)
+    print(f"[bench] {note}", file=sys.stderr)
+    if drafter is None:
+        raise SystemExit("bench: the checkpoint has no drafter/")
+    if a.corpus:
+        sources = {"corpus": workloads.documents_from_dir(a.corpus)}
+    else:
+        sources = {w: workloads.documents(w) for w in a.workloads}
+    draft_s = _draft_pass_seconds(target, drafter)
+    result = {"backend": __import__("jax").default_backend(), "checkpoint": note,
+              "block_size": drafter.config.block_size, "workloads": {}}
+    for name, docs in sources.items():
+        prompts = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed)
+        r = run_workload(target, drafter, prompts, a.max_new_tokens)
+        r["r_draft_over_step"] = draft_s / r.pop("ar_step_s")
+        r["predicted_speedup"] = costmodel.speedup_from_per_position(r["per_position_accept"], r["r_draft_over_step"])
+        result["workloads"][name] = r
+        print(f"[bench] {name:10s} accept_len {r['accept_len']:.2f}  AR {r['ar_tok_s']:.1f} tok/s  "
+              f"DSpark {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
+              f"(cost model {r['predicted_speedup']:.2f}x)", file=sys.stderr)
+    top = result["workloads"]["corpus" if a.corpus else ("code" if "code" in sources else next(iter(sources)))]
+    for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "per_position_accept", "predicted_speedup"):
+        result[k] = top[k]
+    if a.json:
+        print(json.dumps(result, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
