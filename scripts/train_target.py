@@ -48,13 +48,13 @@ import optax
 from flax import nnx
 
 from jdspark import data as jdata
+from jdspark.train import OptConfig, ckpt_manager as _ckpt_manager, make_optimizer, restore_state, save_state
 from kimi import mxfp4
 from kimi.cache import KimiCache
 from kimi.config import KimiConfig
 from kimi.model import KimiForCausalLM
 
 PRESETS = ("demo", "tiny")
-CKPT_FORMAT = 1
 
 __all__ = ["OptConfig", "training_fast_paths", "experts_blocked", "model_config", "inference_config", "build_model",
            "split_model", "loss_fn", "make_optimizer", "train_step", "eval_loss", "to_mxfp4", "export_mxfp4", "train",
@@ -226,29 +226,7 @@ def training_fast_paths():
 
 # ---------------------------------------------------------------------------------------------------------------
 # optimiser
-@dataclasses.dataclass(frozen=True)
-class OptConfig:
-    lr: float = 3e-3
-    steps: int = 1000
-    warmup: int = 100
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    clip: float = 1.0
-
-    def schedule(self):
-        warm = max(int(self.warmup), 1)
-        decay = max(int(self.steps), warm + 1)
-        return optax.warmup_cosine_decay_schedule(self.lr / warm, self.lr, warm, decay,
-                                                  end_value=self.lr * self.min_lr_ratio)
-
-
-def make_optimizer(opt: OptConfig) -> optax.GradientTransformation:
-    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731 (no decay on norms, gates, biases)
-    return optax.chain(
-        optax.clip_by_global_norm(opt.clip),
-        optax.adamw(opt.schedule(), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mask=decay_mask))
+# OptConfig and make_optimizer: jdspark.train (shared with the drafter trainer)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "opt"), donate_argnames=("params", "opt_state"))
@@ -340,41 +318,12 @@ def _check_export_available():
 
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoints (orbax): the (params, opt_state) leaves under stable names, plus a JSON record
-def _ckpt_manager(out: Path, keep: int):
-    import orbax.checkpoint as ocp
-
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
-    return ocp.CheckpointManager((out / "ckpt").resolve(), options=opts)
-
-
-def _leaf_names(tree) -> list[str]:
-    return [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _save(mngr, step: int, params, opt_state, meta: dict):
-    import orbax.checkpoint as ocp
-
-    leaves = jax.device_get(jax.tree.leaves((params, opt_state)))  # host copies: the device buffers get donated
-    arrays = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
-    meta = dict(meta, leaf_names=_leaf_names((params, opt_state)), format=CKPT_FORMAT)
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+    save_state(mngr, step, (params, opt_state), meta)
 
 
 def _restore(mngr, step: int, params, opt_state):
-    import orbax.checkpoint as ocp
-
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    names = _leaf_names((params, opt_state))
-    if meta.get("leaf_names") != names:
-        theirs = set(meta.get("leaf_names") or [])
-        diff = sorted(set(names) ^ theirs)[:5]
-        raise ValueError(f"checkpoint at step {step} does not match this model/optimizer (differing tensors, "
-                         f"first few: {diff}); same --preset and config needed")
-    leaves, treedef = jax.tree.flatten((params, opt_state))
-    target = {f"leaf_{i:05d}": np.zeros(np.shape(x), np.asarray(x).dtype) for i, x in enumerate(leaves)}
-    got = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    new = [jnp.asarray(np.asarray(got[f"leaf_{i:05d}"]), dtype=np.asarray(x).dtype) for i, x in enumerate(leaves)]
-    params, opt_state = jax.tree.unflatten(treedef, new)
+    (params, opt_state), meta = restore_state(mngr, step, (params, opt_state))
     return params, opt_state, meta
 
 
