@@ -285,12 +285,14 @@ def moe_dispatch(rows: int, top_k: int, num_experts: int) -> str:
     """The one place that picks how routed experts run, from static shapes:
     'gathered' when the rows route to fewer slots than there are experts (decode, small verifies): only the routed
     experts' weights are read; 'all' when every expert is likely touched anyway and the rows are few (a verify
-    block on a small model), or on CPU: each expert once, no sort; 'grouped' otherwise (prefill and training on
-    accelerators): sort by expert and a grouped matmul."""
+    block on a small model): each expert once, no sort; 'grouped' otherwise (prefill and training): sort by expert
+    and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded batched matmuls: no dense ragged_dot)."""
     if rows * top_k < num_experts:
         return "gathered"
-    if rows <= 16 or jax.default_backend() == "cpu":  # XLA:CPU's ragged_dot runs every row against every group
-        return "all"                                   # (rows*top_k*E); 'all' is rows*E
+    if rows <= 16:
+        return "all"
+    if jax.default_backend() == "cpu":  # XLA:CPU's ragged_dot runs every row against every group (rows*top_k*E)
+        return "blocked"
     return "grouped"
 
 
@@ -346,6 +348,10 @@ class RoutedExperts(nnx.Module):
         if path == "all":
             return moe_ops.experts_all(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                        self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype), *act)
+        if path == "blocked":
+            return moe_ops.experts_blocked(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
+                                           self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype),
+                                           *act)
         return moe_ops.experts_grouped(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                        self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype), *act)
 

@@ -27,7 +27,6 @@ What it does
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -56,7 +55,7 @@ from kimi.model import KimiForCausalLM
 
 PRESETS = ("demo", "tiny")
 
-__all__ = ["OptConfig", "training_fast_paths", "experts_blocked", "model_config", "inference_config", "build_model",
+__all__ = ["OptConfig", "model_config", "inference_config", "build_model",
            "split_model", "loss_fn", "make_optimizer", "train_step", "eval_loss", "to_mxfp4", "export_mxfp4", "train",
            "parse_args", "main"]
 
@@ -75,7 +74,7 @@ def model_config(preset: str = "demo", **overrides) -> KimiConfig:
     kw = dict(expert_format="dense", param_dtype="float32", bos_token_id=jdata.BOS_ID, eos_token_id=jdata.EOS_ID,
               pad_token_id=jdata.PAD_ID)
     if "kda_prefill" in _CONFIG_FIELDS:
-        # Under grad on XLA:CPU the chunked form (with training_fast_paths) is ~2.5x faster than the token scan
+        # Under grad on XLA:CPU the chunked form is ~2.5x faster than the token scan
         # (measured, demo() at 4 x 512: 1.3 s vs 3.3 s a step); export resets it (inference_config).
         kw["kda_prefill"] = "chunked"
     kw.update(overrides)
@@ -126,105 +125,6 @@ def loss_fn(params, frozen, tokens_BT1, doc_ids_BT1, *, graphdef):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# training-only fast path for KDA's intra-chunk solve
-@jax.custom_vjp
-def _unit_lower_inverse(a_NCC):
-    """(I + L)^{-1} for unit lower-triangular matrices (the strictly upper part and the diagonal are not read)."""
-    eye = jnp.broadcast_to(jnp.eye(a_NCC.shape[-1], dtype=a_NCC.dtype), a_NCC.shape)
-    return _ORIG_SOLVE_TRIANGULAR[0](a_NCC, eye, lower=True, unit_diagonal=True)
-
-
-def _unit_lower_inverse_fwd(a_NCC):
-    inv = _unit_lower_inverse(a_NCC)
-    return inv, inv
-
-
-def _unit_lower_inverse_bwd(inv_NCC, g_NCC):
-    # d(A^-1) = -A^-1 dA A^-1  =>  dA = -A^-T G A^-T, restricted to the entries that are read (strictly lower)
-    inv_t = jnp.swapaxes(inv_NCC, -1, -2)
-    da = -jnp.matmul(jnp.matmul(inv_t, g_NCC, precision="highest"), inv_t, precision="highest")
-    return (jnp.tril(da, -1),)
-
-
-_unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
-_ORIG_SOLVE_TRIANGULAR = [jax.scipy.linalg.solve_triangular]
-
-
-def _solve_triangular_for_training(a, b, trans=0, lower=False, unit_diagonal=False, overwrite_b=False,
-                                   debug=None, check_finite=True):
-    if not (lower and unit_diagonal and trans == 0 and a.ndim >= 2 and b.ndim == a.ndim):
-        return _ORIG_SOLVE_TRIANGULAR[0](a, b, trans=trans, lower=lower, unit_diagonal=unit_diagonal,
-                                         overwrite_b=overwrite_b, debug=debug, check_finite=check_finite)
-    return jnp.matmul(_unit_lower_inverse(a), b, precision="highest")
-
-
-def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None,
-                    block: int = 64):
-    """Exact, dropless routed experts for many rows: the T*X assignments sorted by expert, each expert's group
-    padded to a multiple of ``block`` rows, and one batched matmul per block against its expert's weights
-    (gathered per block). Same result as kimi.ops.moe.experts_grouped (up to fp32 rounding); on XLA:CPU it
-    costs about (T*X + E*block) rows of work instead of ragged_dot's T*X*E."""
-    from kimi.ops.activations import glu
-
-    T, X = idx_TX.shape
-    E, _, D = w1_EFD.shape
-    R = T * X
-    dt = x_TD.dtype
-    nb = -(-R // block) + E  # static bound on the number of blocks: sum_e ceil(n_e / block) <= R / block + E
-    flat = idx_TX.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    e_sorted = flat[order]
-    sizes_E = jnp.bincount(flat, length=E).astype(jnp.int32)
-    padded_E = (sizes_E + block - 1) // block * block
-    pend_E = jnp.cumsum(padded_E)
-    pstart_E = pend_E - padded_E
-    start_E = jnp.cumsum(sizes_E) - sizes_E
-    dest_R = pstart_E[e_sorted] + jnp.arange(R, dtype=jnp.int32) - start_E[e_sorted]
-    P = nb * block
-    src_P = jnp.full((P,), T, jnp.int32).at[dest_R].set((order // X).astype(jnp.int32))  # T: an all-zero row
-    wt_P = jnp.zeros((P,), jnp.float32).at[dest_R].set(w_TX.reshape(-1)[order].astype(jnp.float32))
-    x_pad = jnp.concatenate([x_TD, jnp.zeros((1, D), dt)], axis=0)
-    xs_NBD = x_pad[src_P].reshape(nb, block, D)
-    be_N = jnp.minimum(jnp.searchsorted(pend_E, jnp.arange(nb, dtype=jnp.int32) * block, side="right"), E - 1)
-    g = jnp.einsum("nbd,nfd->nbf", xs_NBD, w1_EFD[be_N].astype(dt))
-    u = jnp.einsum("nbd,nfd->nbf", xs_NBD, w3_EFD[be_N].astype(dt))
-    h = glu(g, u, act, beta, linear_beta)
-    y_PD = jnp.einsum("nbf,ndf->nbd", h, w2_EDF[be_N].astype(dt)).reshape(P, -1)
-    out = jnp.zeros((T + 1, y_PD.shape[-1]), jnp.float32).at[src_P].add(y_PD.astype(jnp.float32) * wt_P[:, None])
-    return out[:T].astype(dt)
-
-
-@contextlib.contextmanager
-def training_fast_paths():
-    """While tracing the training / validation step, swap two library ops for equivalent forms that XLA:CPU runs
-    much faster under grad (measured on demo() at 8x256 on this 2-core machine):
-
-    * KDA's unit-lower ``solve_triangular`` (kimi/ops/kda.py kda_chunked) -> an explicit inverse with a
-      matmul-only custom VJP: the backward (transposed) triangular solve took ~20 s of a 27 s step and stalls
-      with chunks of 32/64.
-    * ``kimi.ops.moe.experts_grouped`` (ragged_dot: every routed row times every expert on CPU) and
-      ``experts_all`` (every row through every expert; what kimi.layers.moe_dispatch picks on CPU) ->
-      ``experts_blocked`` (sorted, block-padded, gathered weights: about the routed rows + E * block).
-
-    Both are mathematically the same function (fp32 rounding differs at ~1e-6); only this training process is
-    affected, the originals are restored on exit, and inference / export use the library as it is.
-    """
-    from kimi.ops import moe as moe_ops
-
-    prev = (jax.scipy.linalg.solve_triangular, moe_ops.experts_grouped, getattr(moe_ops, "experts_all", None))
-    jax.scipy.linalg.solve_triangular = _solve_triangular_for_training
-    moe_ops.experts_grouped = experts_blocked
-    if prev[2] is not None:  # kimi.layers.moe_dispatch picks 'all' on CPU (rows x E); training rows are many
-        moe_ops.experts_all = experts_blocked
-    try:
-        yield
-    finally:
-        jax.scipy.linalg.solve_triangular, moe_ops.experts_grouped = prev[:2]
-        if prev[2] is not None:
-            moe_ops.experts_all = prev[2]
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # optimiser
 # OptConfig and make_optimizer: jdspark.train (shared with the drafter trainer)
 
@@ -251,8 +151,7 @@ def eval_loss(params, frozen, batches: Sequence[jdata.Batch], *, graphdef) -> tu
     """Token-weighted (loss, accuracy) over fixed batches."""
     tot = n = corr = 0.0
     for b in batches:
-        with training_fast_paths():
-            s, k, c = _eval_step(params, frozen, jnp.asarray(b.tokens), jnp.asarray(b.doc_ids), graphdef=graphdef)
+        s, k, c = _eval_step(params, frozen, jnp.asarray(b.tokens), jnp.asarray(b.doc_ids), graphdef=graphdef)
         tot, n, corr = tot + float(s), n + float(k), corr + float(c)
     return tot / max(n, 1.0), corr / max(n, 1.0)
 
@@ -427,9 +326,8 @@ def train(args: argparse.Namespace) -> dict:
     while step < stop:
         b = ds.batch_at(step)
         t0 = time.perf_counter()
-        with training_fast_paths():
-            params, opt_state, m = train_step(params, opt_state, frozen, jnp.asarray(b.tokens),
-                                              jnp.asarray(b.doc_ids), graphdef=graphdef, opt=opt)
+        params, opt_state, m = train_step(params, opt_state, frozen, jnp.asarray(b.tokens), jnp.asarray(b.doc_ids),
+                                          graphdef=graphdef, opt=opt)
         loss = float(m["loss"])  # syncs
         t1 = time.perf_counter()
         if not math.isfinite(loss):

@@ -218,3 +218,16 @@ def test_jit_matches_eager():
     o_j, S_j = chunked(q, k, v, g, beta, S0, chunk_size=4)
     o_e, S_e = kda.kda_chunked(q, k, v, g, beta, S0, chunk_size=4)
     assert _maxdiff(o_j, o_e) <= 1e-6 and _maxdiff(S_j, S_e) <= 1e-6
+
+
+def test_unit_lower_inverse_and_its_gradient():
+    from kimi.ops.kda import unit_lower_inverse
+
+    C = 6
+    L = jnp.tril(jax.random.normal(jax.random.key(0), (3, C, C)) * 0.3, -1) + jnp.eye(C)
+    inv = unit_lower_inverse(L)
+    np.testing.assert_allclose(jnp.matmul(inv, L), np.broadcast_to(np.eye(C), (3, C, C)), atol=1e-5)
+    w = jax.random.normal(jax.random.key(1), (3, C, C))
+    f_ref = lambda a: (jnp.linalg.inv(jnp.tril(a, -1) + jnp.eye(C)) * w).sum()  # noqa: E731
+    f = lambda a: (unit_lower_inverse(jnp.tril(a, -1) + jnp.eye(C)) * w).sum()  # noqa: E731
+    np.testing.assert_allclose(jax.grad(f)(L), jax.grad(f_ref)(L), atol=1e-4)

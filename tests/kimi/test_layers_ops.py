@@ -90,8 +90,10 @@ def test_moe_paths_agree(act):
     ref = moe.experts_all(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
     g = moe.experts_grouped(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
     ga = moe.experts_gathered(x, w, w1[idx], w3[idx], w2[idx], act, 4.0, 25.0)
+    b = moe.experts_blocked(x, w, idx, w1, w3, w2, act, 4.0, 25.0, block=4)
     np.testing.assert_allclose(g, ref, atol=1e-5)
     np.testing.assert_allclose(ga, ref, atol=1e-5)
+    np.testing.assert_allclose(b, ref, atol=1e-5)
 
 
 def test_mxfp4_experts_equal_dequantised_dense():
