@@ -14,7 +14,7 @@ $(STAMP): $(REQS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/base.txt -r requirements/test.txt
 	# speculators pulls torchvision/torchaudio; their wheels are CUDA-linked and break transformers' imports on CPU
-	$(PIP) uninstall -q -y torchvision torchaudio triton 2>/dev/null || true
+	$(PIP) uninstall -q -y torchvision torchaudio 2>/dev/null || true
 	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null || \
 	  $(PIP) install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)

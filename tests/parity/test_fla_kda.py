@@ -1,6 +1,5 @@
 """kimi.ops.kda against FLA's pure-torch references (fla-core 0.6.0, loaded without triton; see fla_ref.py)."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kimi.ops import kda  # noqa: E402
+from tests.kimi.test_kda_ops import _inputs as kda_inputs  # noqa: E402  (same B, H)
 from tests.parity.fla_ref import load_fla_gate, load_fla_naive  # noqa: E402
 
 B, H = 2, 3
@@ -18,22 +18,8 @@ rec = jax.jit(kda.kda_recurrent)
 chunked = jax.jit(kda.kda_chunked, static_argnames=("chunk_size",))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _inputs(seed, T, Kd, Vd, gate="lower"):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
-    q = kda.l2norm(jax.random.normal(ks[0], (B, T, H, Kd)))
-    k = kda.l2norm(jax.random.normal(ks[1], (B, T, H, Kd)))
-    v = jax.random.normal(ks[2], (B, T, H, Vd))
-    a = jax.random.normal(ks[3], (B, T, H, Kd))
-    A_log = 0.5 * jax.random.normal(ks[4], (H,))
-    dt_bias = 0.5 * jax.random.normal(ks[5], (H, Kd))
-    if gate == "lower":
-        g = kda.kda_gate_lower_bound(a, A_log, dt_bias, -5.0)
-    else:
-        g = kda.kda_gate_softplus(a, A_log, dt_bias)
-    beta = jax.nn.sigmoid(jax.random.normal(ks[6], (B, T, H)))
-    S0 = 0.5 * jax.random.normal(ks[7], (B, H, Kd, Vd))
-    return q, k, v, g, beta, S0
+    return kda_inputs(seed, T, gate, Kd, Vd)
 
 
 @pytest.fixture(autouse=True, scope="module")
