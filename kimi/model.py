@@ -235,6 +235,32 @@ def _on_mesh(model, mesh, tokens, cache):
     return on_mesh(model, mesh, np.asarray(tokens, np.int32), cache)
 
 
+def with_dense_experts(model: KimiForCausalLM) -> KimiForCausalLM:
+    """The same model with its MXFP4 routed experts dequantised (``expert_format="dense"``), every other weight
+    shared. Traceable: ``generate`` uses it inside its program to unpack small models' experts once per generation
+    instead of once per step."""
+    from kimi import mxfp4
+    from kimi.layers import shape_only_init
+
+    cfg = model.config
+    if cfg.expert_format != "mxfp4":
+        return model
+    with shape_only_init():
+        abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg.replace(expert_format="dense"), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+
+    def walk(node):
+        if not isinstance(node, dict):
+            return node
+        if "w1_packed" in node:  # RoutedExperts
+            return {n: mxfp4.dequantize(node[f"{n}_packed"], node[f"{n}_scale"], dtype=cfg.dtype)
+                    for n in ("w1", "w2", "w3")}
+        return {k: walk(v) for k, v in node.items()}
+
+    nnx.replace_by_pure_dict(state, walk(nnx.to_pure_dict(nnx.state(model))))
+    return nnx.merge(graphdef, state)
+
+
 def _forward_pure(graphdef, state, tokens_BT, cache, mode, tap_layers):
     model = nnx.merge(graphdef, state)
     return model.forward(tokens_BT, cache, mode=mode, tap_layers=tap_layers)

@@ -193,3 +193,21 @@ def test_lossless_sampling_distribution(temperature, top_p):
     acc = speculative.generate(target, drafter, prompt, max_new_tokens=32, temperature=temperature, top_p=top_p,
                                eos_token_id=-1).stats
     assert 0.2 < acc.acceptance_rate < 0.9
+
+
+def test_mxfp4_target_unpacked_once_is_exact():
+    cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64)
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
+    assert speculative._unpack_experts_once(target)
+    dense = kimi.model.with_dense_experts(target)
+    assert dense.config.expert_format == "dense"
+    toks = np.arange(3, 12, dtype=np.int32)[None]
+    np.testing.assert_array_equal(target.prefill(toks, target.init_cache(1, 16)).logits,
+                                  dense.prefill(toks, dense.init_cache(1, 16)).logits)
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
+                                    rngs=nnx.Rngs(6))
+    ar = speculative.generate(target, None, toks[0], max_new_tokens=24, eos_token_id=-1)
+    sp = speculative.generate(target, drafter, toks[0], max_new_tokens=24, eos_token_id=-1)
+    ref = speculative.generate(dense, None, toks[0], max_new_tokens=24, eos_token_id=-1)
+    np.testing.assert_array_equal(ar.tokens, ref.tokens)
+    np.testing.assert_array_equal(sp.tokens, ref.tokens)
