@@ -185,11 +185,7 @@ class KimiDeltaAttention(nnx.Module):
         elif mode == "prefill":
             o, state_BHKV = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV)
         elif mode == "verify":
-            if T <= 16:  # a verify block: closed form, no per-token loop
-                o, state_BHKV, states = kda_ops.kda_block(q, k, v, g, beta_BTH, state_BHKV)
-            else:
-                o, state_BHKV, states = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV,
-                                                              return_all_states=True)
+            o, state_BHKV, states = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV, return_all_states=True)
         elif mode == "decode":  # one token per row
             o, state_BHKV = kda_ops.kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta_BTH[:, 0], state_BHKV)
             o = o[:, None]

@@ -244,51 +244,6 @@ def unit_lower_inverse_bwd(inv_NCC, g_NCC):
 unit_lower_inverse.defvjp(unit_lower_inverse_fwd, unit_lower_inverse_bwd)
 
 
-def _unit_lower_inverse_nilpotent(L_XTT, T: int):
-    """(I + L)^{-1} for a strictly lower L (nilpotent: L^T = 0) as (I - L)(I + L^2)(I + L^4)...: a few small
-    matmuls, no triangular solve (the closed-form verify block uses it)."""
-    eye = jnp.eye(T, dtype=L_XTT.dtype)
-    inv = eye - L_XTT
-    power, Lp = 2, jnp.matmul(L_XTT, L_XTT, precision=lax.Precision.HIGHEST)
-    while power < T:
-        inv = jnp.matmul(inv, eye + Lp, precision=lax.Precision.HIGHEST)
-        Lp = jnp.matmul(Lp, Lp, precision=lax.Precision.HIGHEST)
-        power *= 2
-    return inv
-
-
-def kda_block(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, scale=None):
-    """A short block of T tokens (a verify block) in closed form, no loop: the output, the final state and the
-    state after every position, equal to ``kda_recurrent(..., return_all_states=True)``.
-
-    With the block's WY form (as in ``kda_chunked``: Gam = cumsum g, V' = U - W S0), the state after token t is
-
-        S_t = Diag(exp Gam_t) S0 + sum_{j <= t} (exp(Gam_t - Gam_j) * k_j) v'_j^T,     o_t = S_t^T (q_t scale)
-
-    (rows 0..t of W and U depend on tokens 0..t only). Differences Gam_t - Gam_j <= 0 are masked before exp.
-    Cost O(T^2 K V) per head: for T <= 16 it replaces T sequential steps with a few batched matmuls.
-    Returns (o_BTHV, final_state_BHKV, states_BTHKV).
-    """
-    q, k, v, g, beta = map(_f32, (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    S0 = _init_state(state_BHKV, B, H, K, V)
-    q = q * _default_scale(scale, K)
-    q, k, v, g = (jnp.swapaxes(a, 1, 2) for a in (q, k, v, g))  # [B, H, T, .]
-    b = jnp.swapaxes(beta, 1, 2)  # [B, H, T]
-    gam = jnp.cumsum(g, axis=-2)
-    incl = jnp.tril(jnp.ones((T, T), dtype=bool))
-    E = jnp.exp(jnp.where(incl[:, :, None], gam[..., :, None, :] - gam[..., None, :, :], -jnp.inf))  # [B,H,T,T,K]
-    A_kk = _einsum("bhik,bhjk,bhijk->bhij", k, k, E)
-    L = jnp.where(jnp.tril(incl, -1), A_kk * b[..., :, None], 0.0)
-    rhs = b[..., None] * jnp.concatenate([jnp.exp(gam) * k, v], axis=-1)
-    WU = jnp.matmul(_unit_lower_inverse_nilpotent(L, T), rhs, precision=lax.Precision.HIGHEST)
-    vp = WU[..., K:] - _einsum("bhck,bhkv->bhcv", WU[..., :K], S0)
-    states = jnp.exp(gam)[..., None] * S0[:, :, None] + _einsum("bhijk,bhjk,bhjv->bhikv", E, k, vp)
-    o = _einsum("bhik,bhikv->bhiv", q, states)
-    return jnp.swapaxes(o, 1, 2), states[:, :, -1], jnp.swapaxes(states, 1, 2)
-
-
 def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, scale=None, chunk_size=64):
     """Chunkwise-parallel KDA (WY/UT form, as FLA ``naive_chunk_kda``); ``lax.scan`` over chunks carrying S.
 

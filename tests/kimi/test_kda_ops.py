@@ -232,12 +232,3 @@ def test_unit_lower_inverse_and_its_gradient():
     f = lambda a: (unit_lower_inverse(jnp.tril(a, -1) + jnp.eye(C)) * w).sum()  # noqa: E731
     np.testing.assert_allclose(jax.grad(f)(L), jax.grad(f_ref)(L), atol=1e-4)
 
-
-@pytest.mark.parametrize("T,gate", [(1, "lower"), (5, "softplus"), (8, "lower"), (16, "lower")])
-def test_block_closed_form_equals_recurrent(T, gate):
-    q, k, v, g, beta, S0 = _inputs(3, T, gate)
-    o_r, s_r, st_r = kda.kda_recurrent(q, k, v, g, beta, S0, return_all_states=True)
-    o_b, s_b, st_b = jax.jit(kda.kda_block)(q, k, v, g, beta, S0)
-    np.testing.assert_allclose(o_b, o_r, atol=1e-5)
-    np.testing.assert_allclose(s_b, s_r, atol=1e-5)
-    np.testing.assert_allclose(st_b, st_r, atol=1e-5)
