@@ -143,7 +143,7 @@ def drafter_train_step(params, opt_state, rest, t_state, tokens_BT, doc_ids_BT, 
         num_anchors=num_anchors, loss=loss)
     updates, opt_state = make_optimizer(opt).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(metrics, loss=val, grad_norm=optax.global_norm(grads))
+    return params, opt_state, dict(metrics, loss=val, grad_norm=optax.tree.norm(grads))
 
 
 @functools.partial(jax.jit, static_argnames=("d_graph", "t_graph", "num_anchors", "loss"))
