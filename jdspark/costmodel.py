@@ -139,25 +139,19 @@ def table(ps: Sequence[float] = DEFAULT_PS, gamma: int = DEFAULT_GAMMA, r: float
 # ---------------------------------------------------------------------------------------------------- CLI
 
 
-def _arg_p(text: str) -> float:
-    try:
-        return _check_p(float(text), "value")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+def _arg_type(cast, check):
+    """An argparse type: cast the text, then validate it with one of the _check_* functions."""
+    def parse(text: str):
+        try:
+            return check(cast(text), "value")
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return parse
 
 
-def _arg_gamma(text: str) -> int:
-    try:
-        return _check_gamma(int(text), "value")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-
-
-def _arg_r(text: str) -> float:
-    try:
-        return _check_r(float(text), "value")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+_arg_p = _arg_type(float, _check_p)
+_arg_gamma = _arg_type(int, _check_gamma)
+_arg_r = _arg_type(float, _check_r)
 
 
 def _arg_positive(text: str) -> float:

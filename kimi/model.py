@@ -197,30 +197,25 @@ class KimiForCausalLM(nnx.Module):
             raise ValueError(f"{name}: {need} positions needed but the cache holds max_len={cache.max_len}; "
                              f"allocate a larger cache with init_cache(max_len=...)")
 
+    def _run(self, mode: str, tokens, cache: KimiCache, tap_layers, mesh, ndim: int) -> ModelOut:
+        if np.ndim(tokens) != ndim:
+            want = "[B, T]" if ndim == 2 else "[B]"
+            raise ValueError(f"{mode}: expected tokens {want}, got shape {np.shape(tokens)}")
+        self._check(tokens, cache, mode)
+        if mesh is not None:
+            tokens, cache = _on_mesh(self, mesh, tokens, cache)
+        tokens_BT = jnp.asarray(tokens, jnp.int32)
+        return run_forward(self, tokens_BT if ndim == 2 else tokens_BT[:, None], cache, mode, tuple(tap_layers))
+
     def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
         """``mesh``: run sharded on it (sharding.on_mesh: parameters once, the cache and tokens by the rules)."""
-        if np.ndim(tokens_BT) != 2:
-            raise ValueError(f"prefill: expected tokens [B, T], got shape {np.shape(tokens_BT)}")
-        self._check(tokens_BT, cache, "prefill")
-        if mesh is not None:
-            tokens_BT, cache = _on_mesh(self, mesh, tokens_BT, cache)
-        return run_forward(self, jnp.asarray(tokens_BT, jnp.int32), cache, "prefill", tuple(tap_layers))
+        return self._run("prefill", tokens_BT, cache, tap_layers, mesh, 2)
 
     def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
-        if np.ndim(token_B) != 1:
-            raise ValueError(f"decode: expected tokens [B], got shape {np.shape(token_B)}")
-        self._check(token_B, cache, "decode")
-        if mesh is not None:
-            token_B, cache = _on_mesh(self, mesh, token_B, cache)
-        return run_forward(self, jnp.asarray(token_B, jnp.int32)[:, None], cache, "decode", tuple(tap_layers))
+        return self._run("decode", token_B, cache, tap_layers, mesh, 1)
 
     def verify(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
-        if np.ndim(tokens_BT) != 2:
-            raise ValueError(f"verify: expected tokens [B, T], got shape {np.shape(tokens_BT)}")
-        self._check(tokens_BT, cache, "verify")
-        if mesh is not None:
-            tokens_BT, cache = _on_mesh(self, mesh, tokens_BT, cache)
-        return run_forward(self, jnp.asarray(tokens_BT, jnp.int32), cache, "verify", tuple(tap_layers))
+        return self._run("verify", tokens_BT, cache, tap_layers, mesh, 2)
 
     @staticmethod
     def rollback(out: ModelOut, length_before_B, n_keep_B) -> KimiCache:
