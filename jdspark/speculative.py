@@ -28,7 +28,7 @@ from jax.experimental import io_callback
 
 from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits, sample
 from kimi.cache import KimiCache, select_verified
-from kimi.model import with_dense_experts
+from kimi.model import with_serving_layout
 
 
 @jax.tree_util.register_dataclass
@@ -137,15 +137,16 @@ def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, ke
 DENSE_EXPERTS_BUDGET_BYTES = 256 << 20
 
 
-def _unpack_experts_once(target) -> bool:
-    """Unpack MXFP4 experts once per generation (not once per step) when their dense copy is small: the one place
-    this is decided. K3-sized experts stay packed (they are why MXFP4 exists), and so does a sharded model."""
+def _serving_layout_fits(target) -> bool:
+    """Whether a generation rearranges the experts once for serving (``kimi.model.with_serving_layout``: MXFP4
+    unpacked, the verify path's fused layout) instead of once per step: when their dense copy is small. The one
+    place this is decided. K3-sized experts stay packed (they are why MXFP4 exists), and so does a sharded model."""
     cfg = target.config
-    if cfg.expert_format != "mxfp4" or getattr(target, "sharding_plan", None) is not None:
+    if getattr(target, "sharding_plan", None) is not None:
         return False
     moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)
     dense = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * cfg.dtype.itemsize
-    return dense <= DENSE_EXPERTS_BUDGET_BYTES
+    return moe_layers > 0 and dense <= DENSE_EXPERTS_BUDGET_BYTES
 
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
@@ -155,8 +156,8 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
     target = nnx.merge(t_graph, t_state)
-    if _unpack_experts_once(target):
-        target = with_dense_experts(target)
+    if _serving_layout_fits(target):
+        target = with_serving_layout(target)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     cfg = target.config
     P = prompt_1P.shape[1]

@@ -30,6 +30,11 @@ class Packed(nnx.Variable):
     """Quantised storage (MXFP4 codes and scales): not a trainable parameter."""
 
 
+class ServingLayout(nnx.Variable):
+    """A copy of some weights rearranged for a serving path, derived inside a generation's program (see
+    ``kimi.model.with_serving_layout``): never trained, never saved."""
+
+
 _ABSTRACT = [False]
 
 
@@ -330,6 +335,19 @@ class RoutedExperts(nnx.Module):
         w = getattr(self, name)[...]
         return (w if idx is None else w[idx]).astype(dtype)
 
+    def all_layout(self, dtype):
+        """(w13 [D, 2EF], w2 [EF, D]) for the 'all' path: the copy made once by ``with_serving_layout`` when
+        there is one, else rearranged here (on every call)."""
+        if hasattr(self, "all_w13_D2EF"):
+            return self.all_w13_D2EF[...].astype(dtype), self.all_w2_EFD[...].astype(dtype)
+        return moe_ops.fuse_experts_for_all(self.weight("w1", None, dtype), self.weight("w3", None, dtype),
+                                            self.weight("w2", None, dtype))
+
+    def make_all_layout(self):
+        """Attach the 'all' path's layout (``ServingLayout`` variables), from the dense weights."""
+        w13, w2 = moe_ops.fuse_experts_for_all(*(self.weight(n, None, self.cfg.dtype) for n in ("w1", "w3", "w2")))
+        self.all_w13_D2EF, self.all_w2_EFD = ServingLayout(w13), ServingLayout(w2)
+
     def __call__(self, z_TD, w_TX, idx_TX):
         ep = getattr(self, "expert_parallel", None)  # set by sharding.shard_model: experts under jax.shard_map
         if ep is not None:
@@ -346,8 +364,7 @@ class RoutedExperts(nnx.Module):
                                             self.weight("w3", idx_TX, z_TD.dtype),
                                             self.weight("w2", idx_TX, z_TD.dtype), *act)
         if path == "all":
-            return moe_ops.experts_all(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
-                                       self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype), *act)
+            return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, *self.all_layout(z_TD.dtype), c.num_experts, *act)
         if path == "blocked":
             return moe_ops.experts_blocked(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                            self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype),

@@ -12,7 +12,8 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
   grouped:  sort the T*X assignments by expert and run a grouped matmul (ragged_dot) over the sorted rows; the
             path for prefill and training.
   all:      every row through every expert, combined with the routing weights; for a few rows that touch most
-            experts anyway (a verify block on a small model).
+            experts anyway (a verify block on a small model). Two matmuls on a fused layout of the weights
+            (fuse_experts_for_all), which serving builds once per generation.
   blocked:  sorted by expert, each expert's rows padded to a multiple of a block, one batched matmul per block
             (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU).
 kimi.layers.moe_dispatch picks one from static shapes.
@@ -106,17 +107,35 @@ def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=N
     return out[:T].astype(dt)
 
 
-def experts_all(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):
-    """Every row through every expert, then a combine with the routing weights (zero for unrouted experts): reads
-    each expert once with no sort; the fastest form for a few rows that touch most experts. Also the reference."""
-    # The weights are the left operands in their stored layout ([E*F, D] and [E, D, F] row-major) and the few rows
-    # are transposed instead: written the other way round, XLA:CPU copies every expert weight into a transposed
-    # layout on every call (measured: 10 weight transposes, ~0.9 ms of a 4 ms verify step on the demo model).
+def fuse_experts_for_all(w1_EFD, w3_EFD, w2_EDF):
+    """The dense experts laid out for :func:`experts_all_fused`: ``w13 [D, 2*E*F]`` (every expert's W1^T, then
+    every expert's W3^T, expert-major columns) and ``w2 [E*F, D]`` (the W2^T stacked). A copy of every expert
+    weight: serving makes it once per generation (``kimi.model.with_serving_layout``), not once per step."""
     E, F, D = w1_EFD.shape
-    xT_DT = x_TD.T
-    g_EFT = jnp.dot(w1_EFD.reshape(E * F, D), xT_DT).reshape(E, F, -1)
-    u_EFT = jnp.dot(w3_EFD.reshape(E * F, D), xT_DT).reshape(E, F, -1)
-    h_EFT = glu(g_EFT, u_EFT, act, beta, linear_beta)
-    y_EDT = jnp.einsum("edf,eft->edt", w2_EDF, h_EFT)
-    comb_TE = jnp.zeros((x_TD.shape[0], E), jnp.float32).at[jnp.arange(x_TD.shape[0])[:, None], idx_TX].add(w_TX)
-    return jnp.einsum("edt,te->td", y_EDT.astype(jnp.float32), comb_TE).astype(x_TD.dtype)
+    cols = lambda w: jnp.transpose(w, (2, 0, 1)).reshape(D, E * F)  # [E, F, D] -> [D, E*F]
+    return jnp.concatenate([cols(w1_EFD), cols(w3_EFD)], axis=1), jnp.swapaxes(w2_EDF, 1, 2).reshape(E * F, D)
+
+
+def experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, num_experts: int, act: str, beta=None,
+                      linear_beta=None):
+    """Every row through every expert in two matmuls, the routing weights folded in between:
+
+        [g | u] = x [W1^T | W3^T]   ([T, 2EF]);    h[t, e, :] = c[t, e] act(g, u)[t, e, :];    y = h W2^T   ([T, EF] @ [EF, D])
+
+    with c[t, e] the routing weight of expert e for row t (0 when unrouted). Reads each expert once, no sort; the
+    fastest form on CPU for a few rows that touch most experts (a verify block on a small model), because the
+    weights are right operands already in the layout a matmul wants: nothing is transposed per call."""
+    T, E = x_TD.shape[0], num_experts
+    EF = w2_EFD.shape[0]
+    gu_T2EF = jnp.dot(x_TD, w13_D2EF.astype(x_TD.dtype))
+    h_TEF = glu(gu_T2EF[:, :EF], gu_T2EF[:, EF:], act, beta, linear_beta).reshape(T, E, EF // E)
+    c_TE = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx_TX].add(w_TX)
+    h_TEF = (h_TEF.astype(jnp.float32) * c_TE[:, :, None]).astype(x_TD.dtype)
+    return jnp.dot(h_TEF.reshape(T, EF), w2_EFD.astype(x_TD.dtype))
+
+
+def experts_all(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):
+    """:func:`experts_all_fused` on the checkpoint layout (rearranged on every call): the reference the other
+    paths are tested against."""
+    return experts_all_fused(x_TD, w_TX, idx_TX, *fuse_experts_for_all(w1_EFD, w3_EFD, w2_EDF), w1_EFD.shape[0],
+                             act, beta, linear_beta)

@@ -198,9 +198,11 @@ def test_lossless_sampling_distribution(temperature, top_p):
 def test_mxfp4_target_unpacked_once_is_exact():
     cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64)
     target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
-    assert speculative._unpack_experts_once(target)
-    dense = kimi.model.with_dense_experts(target)
+    assert speculative._serving_layout_fits(target)
+    dense = kimi.model.with_serving_layout(target)
     assert dense.config.expert_format == "dense"
+    ex = dense.model.layers[1].block_sparse_moe.experts
+    assert isinstance(ex.all_w13_D2EF, kimi.layers.ServingLayout)
     toks = np.arange(3, 12, dtype=np.int32)[None]
     np.testing.assert_array_equal(target.prefill(toks, target.init_cache(1, 16)).logits,
                                   dense.prefill(toks, dense.init_cache(1, 16)).logits)
