@@ -172,12 +172,20 @@ def _init_state(state_BHKV, B, H, K, V):
 
 
 def _delta_step(qs_BHK, k_BHK, v_BHV, g_BHK, beta_BH, S_BHKV):
-    """One step with q already scaled; all fp32. Returns (o_BHV, S_BHKV)."""
-    S = S_BHKV * jnp.exp(g_BHK)[..., None]  # S' = Diag(exp g) S
-    err_BHV = v_BHV - _einsum("bhk,bhkv->bhv", k_BHK, S)  # v - S'^T k
-    S = S + (beta_BH[..., None] * k_BHK)[..., :, None] * err_BHV[..., None, :]
-    o_BHV = _einsum("bhk,bhkv->bhv", qs_BHK, S)
-    return o_BHV, S
+    """One step with q already scaled; all fp32. Returns (o_BHV, S_BHKV).
+
+    Both reads of the state are one product with the *previous* state (the decay moved onto the vectors), and the
+    update is one elementwise pass, with a = exp(g):
+        [S'^T k ; S'^T q] = S^T [a*k ; a*q];   err = v - S'^T k;   S_new = a S + beta k err^T;
+        o = S_new^T q = S'^T q + beta (k . q) err
+    """
+    a_BHK = jnp.exp(g_BHK)
+    kq_BH2K = jnp.stack([a_BHK * k_BHK, a_BHK * qs_BHK], axis=-2)
+    r_BH2V = _einsum("bhnk,bhkv->bhnv", kq_BH2K, S_BHKV)
+    err_BHV = v_BHV - r_BH2V[..., 0, :]
+    S_BHKV = a_BHK[..., None] * S_BHKV + (beta_BH[..., None] * k_BHK)[..., :, None] * err_BHV[..., None, :]
+    o_BHV = r_BH2V[..., 1, :] + (beta_BH * jnp.sum(k_BHK * qs_BHK, axis=-1))[..., None] * err_BHV
+    return o_BHV, S_BHKV
 
 
 def kda_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV, scale=None):
