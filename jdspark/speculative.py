@@ -134,19 +134,19 @@ def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, ke
     return drafts_G, logq_GV, n_verify
 
 
-DENSE_EXPERTS_BUDGET_BYTES = 256 << 20
+SERVING_COPY_BUDGET_BYTES = 512 << 20
 
 
 def _serving_layout_fits(target) -> bool:
-    """Whether a generation rearranges the experts once for serving (``kimi.model.with_serving_layout``: MXFP4
-    unpacked, the verify path's fused layout) instead of once per step: when their dense copy is small. The one
-    place this is decided. K3-sized experts stay packed (they are why MXFP4 exists), and so does a sharded model."""
+    """Whether a generation makes the serving copy of the weights (``kimi.model.with_serving_layout``: MXFP4
+    unpacked, fused layouts) once, inside its program: when that copy is small. The one place this is decided.
+    K3-sized experts stay packed (they are why MXFP4 exists), and a sharded model keeps its layout."""
     cfg = target.config
     if getattr(target, "sharding_plan", None) is not None:
         return False
     moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)
     dense = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * cfg.dtype.itemsize
-    return moe_layers > 0 and dense <= DENSE_EXPERTS_BUDGET_BYTES
+    return 2 * dense <= SERVING_COPY_BUDGET_BYTES
 
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,

@@ -13,6 +13,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kimi import mxfp4
@@ -33,6 +34,34 @@ class Packed(nnx.Variable):
 class ServingLayout(nnx.Variable):
     """A copy of some weights rearranged for a serving path, derived inside a generation's program (see
     ``kimi.model.with_serving_layout``): never trained, never saved."""
+
+
+def _child(module, dotted: str):
+    for name in dotted.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _fused_attr(names) -> str:
+    return "fused_" + "__".join(n.replace(".", "_") for n in names)
+
+
+def project_many(module, x, names):
+    """[x @ k for the Linear children ``names`` of ``module``] (dotted paths allowed): one matmul over their
+    kernels side by side when ``fuse_projections`` made that copy (serving), else one matmul each."""
+    fused = getattr(module, _fused_attr(names), None)
+    if fused is None:
+        return [_child(module, n)(x) for n in names]
+    y = jnp.dot(x, fused[...].astype(x.dtype))
+    ends = np.cumsum([_child(module, n).kernel.shape[1] for n in names])
+    return [y[..., a:b] for a, b in zip((0,) + tuple(ends[:-1]), ends)]
+
+
+def fuse_projections(module, names):
+    """Attach the kernels of the Linear children ``names`` side by side (a ``ServingLayout`` copy), so that
+    ``project_many`` reads the shared input once in one matmul instead of one small matmul per projection."""
+    kernels = [_child(module, n).kernel[...] for n in names]
+    setattr(module, _fused_attr(names), ServingLayout(jnp.concatenate(kernels, axis=1)))
 
 
 _ABSTRACT = [False]
@@ -137,6 +166,11 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
         self.o_proj = Linear(P, D, dtype=dt, rngs=rngs)
 
+    def input_projections(self):
+        """The projections of the layer input x (``project_many`` runs them as one matmul when fused)."""
+        gate = ("g_proj",) if self.cfg.kda_use_full_rank_gate else ("g_a_proj",)
+        return ("q_proj", "k_proj", "v_proj") + gate + ("f_a_proj", "b_proj")
+
     def conv_weight_CK(self):
         """q, k and v conv kernels side by side: [3P, kernel]."""
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=0)
@@ -150,7 +184,8 @@ class KimiDeltaAttention(nnx.Module):
             return KDAOut(*kda_layer_step(self, x_BTD, state_BHKV, conv_BWC, verify=mode == "verify"))
         B, T, _ = x_BTD.shape
         H, K, P = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
-        pre = jnp.stack([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=2)  # [B, T, 3, P]
+        q_in, k_in, v_in, gate_in, fa_in, b_in = project_many(self, x_BTD, self.input_projections())
+        pre = jnp.stack([q_in, k_in, v_in], axis=2)  # [B, T, 3, P]
         plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
         if plan is not None:  # q|k|v side by side: their head splits don't line up along 3P, so gather them once
             pre = plan.constrain(pre, ("batch", None, None, None))
@@ -172,14 +207,14 @@ class KimiDeltaAttention(nnx.Module):
         q = kda_ops.l2norm(qkv[:, :, 0])
         k = kda_ops.l2norm(qkv[:, :, 1])
         v = qkv[:, :, 2]
-        a_BTHK = self.f_b_proj(self.f_a_proj(x_BTD)).astype(jnp.float32).reshape(B, T, H, K)
+        a_BTHK = self.f_b_proj(fa_in).astype(jnp.float32).reshape(B, T, H, K)
         A_log_H = self.A_log[...][:H]
         dt_bias_HK = self.dt_bias[...].reshape(H, K)
         if cfg.kda_gate_lower_bound is None:
             g = kda_ops.kda_gate_softplus(a_BTHK, A_log_H, dt_bias_HK)
         else:
             g = kda_ops.kda_gate_lower_bound(a_BTHK, A_log_H, dt_bias_HK, cfg.kda_gate_lower_bound)
-        beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        beta_BTH = jax.nn.sigmoid(b_in.astype(jnp.float32))
         if valid_len_B is not None:
             real_BT = jnp.arange(T)[None, :] < valid_len_B[:, None]
             beta_BTH = jnp.where(real_BT[..., None], beta_BTH, 0.0)
@@ -196,10 +231,7 @@ class KimiDeltaAttention(nnx.Module):
             o = o[:, None]
         else:
             raise ValueError(f"mode: expected 'prefill', 'decode' or 'verify', got {mode!r}")
-        if cfg.kda_use_full_rank_gate:
-            gate = self.g_proj(x_BTD)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(x_BTD))
+        gate = gate_in if cfg.kda_use_full_rank_gate else self.g_b_proj(gate_in)
         y = kda_ops.gated_rms_norm(o, gate.astype(jnp.float32).reshape(B, T, H, K), self.o_norm.weight[...],
                                    cfg.rms_norm_eps)
         y_BTD = self.o_proj(y.reshape(B, T, P).astype(x_BTD.dtype))
@@ -228,19 +260,20 @@ class GatedMLA(nnx.Module):
         if cfg.mla_use_output_gate:
             self.g_proj = Linear(D, H * cfg.v_head_dim, dtype=dt, rngs=rngs)
 
+    def input_projections(self):
+        q = ("q_proj",) if self.cfg.q_lora_rank is None else ("q_a_proj",)
+        return q + ("kv_a_proj_with_mqa",) + (("g_proj",) if self.cfg.mla_use_output_gate else ())
+
     def __call__(self, x_BTD, ckv_BSL, kpe_BSR, length_B, absorbed: bool):
         """Writes this chunk's latents at [length, length + T) and attends over the cache. Returns
         (y_BTD, ckv_BSL, kpe_BSR)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, N, R, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x_BTD)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_in, kv_a, *gate_in = project_many(self, x_BTD, self.input_projections())
+        q = q_in if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_in))
         q = q.reshape(B, T, H, N + R)
         q_nope, q_pe = q[..., :N], q[..., N:]
-        kv_a = self.kv_a_proj_with_mqa(x_BTD)
         ckv_new = self.kv_a_layernorm(kv_a[..., :L])
         kpe_new = kv_a[..., L:]
         pos_BT = length_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
@@ -255,7 +288,7 @@ class GatedMLA(nnx.Module):
                         cfg.v_head_dim)
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
-            o = o * jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32))
+            o = o * jax.nn.sigmoid(gate_in[0].astype(jnp.float32))
         return self.o_proj(o.astype(x_BTD.dtype)), ckv_BSL, kpe_BSR
 
 
@@ -271,10 +304,16 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(D, hidden, dtype=dt, rngs=rngs)
         self.down_proj = Linear(hidden, D, dtype=dt, rngs=rngs)
 
+    def input_projections(self):
+        return ("gate_proj", "up_proj")
+
     def __call__(self, x):
+        return self.from_projections(*project_many(self, x, self.input_projections()))
+
+    def from_projections(self, gate, up):
+        """down(act(gate, up)) given the two input projections (computed together with others by the caller)."""
         c = self.cfg
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), c.hidden_act, c.activation_situ_beta,
-                                  c.activation_situ_linear_beta))
+        return self.down_proj(glu(gate, up, c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta))
 
 
 class Router(nnx.Module):
@@ -391,6 +430,11 @@ class LatentMoE(nnx.Module):
         if cfg.num_shared_experts:
             self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts, rngs=rngs)
 
+    def input_projections(self):
+        """The projections of x besides the router: the latent down-projection and the shared experts' gate/up."""
+        down = ("routed_expert_down_proj",) if self.cfg.routed_expert_hidden_size is not None else ()
+        return down + (("shared_experts.gate_proj", "shared_experts.up_proj") if self.cfg.num_shared_experts else ())
+
     def route(self, x_TD):
         c = self.cfg
         return moe_ops.route(self.gate.logits(x_TD), self.gate.e_score_correction_bias[...], c.num_experts_per_token,
@@ -401,9 +445,8 @@ class LatentMoE(nnx.Module):
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         w_TX, idx_TX = self.route(x_TD)
-        z = x_TD
-        if c.routed_expert_hidden_size is not None:
-            z = self.routed_expert_down_proj(x_TD)
+        proj = project_many(self, x_TD, self.input_projections())
+        z = proj.pop(0) if c.routed_expert_hidden_size is not None else x_TD
         y = self.experts(z, w_TX, idx_TX)
         if c.routed_expert_hidden_size is not None:
             if c.latent_moe_use_norm:
@@ -413,7 +456,7 @@ class LatentMoE(nnx.Module):
                     y = plan.constrain(y, ("batch", None))
             y = self.routed_expert_up_proj(y)
         if c.num_shared_experts:
-            y = y + self.shared_experts(x_TD)
+            y = y + self.shared_experts.from_projections(*proj)
         return y.reshape(B, T, D)
 
 
