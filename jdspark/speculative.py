@@ -202,7 +202,7 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
             m, nxt = accept_greedy(drafts_G, ver.logits[0], n_verify)
         else:
             m, nxt = accept_rejection(k_acc, drafts_G, logq_GV, ver.logits[0], n_verify, sp)
-        cache = select_verified(ver.cache, ver.kda_states, ver.conv_states, n, (m + 1)[None])
+        cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
         new = jnp.concatenate([drafts_G, jnp.zeros((1,), jnp.int32)])
         new = new.at[m].set(nxt)

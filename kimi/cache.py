@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.config import KimiConfig
+from kimi.ops.kda import KDABlockTrace, kda_block_state
 
 
 @jax.tree_util.register_dataclass
@@ -54,11 +55,13 @@ class KimiCache:
         return jax.eval_shape(lambda: cls.init(cfg, batch_size, max_len))
 
 
-def select_verified(cache_after: KimiCache, kda_states, conv_states, length_before_B, n_keep_B) -> KimiCache:
+def select_verified(cache_after: KimiCache, kda_rollback, conv_states, length_before_B, n_keep_B) -> KimiCache:
     """Roll a cache that ``verify`` advanced by T positions back to the first ``n_keep`` (1..T) of them, per row.
 
-    kda_states [n_kda, B, T, H, K, V] and conv_states [n_kda, B, T, W, C] are verify's per-position states; the
-    state after position n_keep - 1 is selected, nothing is recomputed. MLA entries past the new length are masked.
+    ``kda_rollback`` is verify's ``ModelOut.kda_rollback``: per-position states [n_kda, B, T, H, K, V] (picked),
+    or a ``KDABlockTrace`` stacked over layers (the state after n_keep rebuilt from it, one small matmul per
+    layer); nothing is re-run. conv_states [n_kda, B, T, W, C] are picked. MLA entries past the new length are
+    masked.
     """
     idx_B = (n_keep_B - 1).astype(jnp.int32)
 
@@ -68,5 +71,11 @@ def select_verified(cache_after: KimiCache, kda_states, conv_states, length_befo
         i = idx_B.reshape((1, -1) + (1,) * (states.ndim - 2))
         return jnp.take_along_axis(states, i, axis=2)[:, :, 0]
 
-    return dataclasses.replace(cache_after, kda_state=pick(kda_states), conv_state=pick(conv_states),
-                               length=(length_before_B + n_keep_B).astype(jnp.int32))
+    if kda_rollback is None:
+        kda_state = cache_after.kda_state
+    elif isinstance(kda_rollback, KDABlockTrace):
+        kda_state = jax.vmap(kda_block_state, in_axes=(0, None))(kda_rollback, n_keep_B)
+    else:
+        kda_state = pick(kda_rollback)
+    return dataclasses.replace(cache_after, kda_state=kda_state.astype(cache_after.kda_state.dtype),
+                               conv_state=pick(conv_states), length=(length_before_B + n_keep_B).astype(jnp.int32))

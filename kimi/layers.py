@@ -127,7 +127,7 @@ class KDAOut:
     y_BTD: jax.Array
     state_BHKV: jax.Array
     conv_BWC: jax.Array
-    states_BTHKV: Optional[jax.Array] = None  # verify only: the recurrent state after every position
+    rollback: object = None  # verify only: the state after every position [B, T, H, K, V], or a KDABlockTrace
     convs_BTWC: Optional[jax.Array] = None  # verify only: the conv state after every position
 
 
@@ -137,6 +137,17 @@ def kda_prefill_form(cfg: KimiConfig) -> str:
     if cfg.kda_prefill != "auto":
         return cfg.kda_prefill
     return "recurrent" if jax.default_backend() == "cpu" else "chunked"
+
+
+KDA_BLOCK_MAX_TOKENS = 16
+
+
+def kda_verify_form(T: int) -> str:
+    """The one place that picks KDA's verify form: the closed-form block (``kda_ops.kda_block``: a few small
+    matmuls, no loop, and the state after any prefix rebuilt on demand) for verify blocks of up to 16 tokens,
+    else the token scan that keeps every per-position state. Measured on CPU at T=8, 4 heads of 64: 52 us
+    for the block and one rollback, 141 us for the scan and a pick."""
+    return "block" if T <= KDA_BLOCK_MAX_TOKENS else "recurrent"
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -224,6 +235,9 @@ class KimiDeltaAttention(nnx.Module):
             o, state_BHKV = kda_ops.kda_chunked(q, k, v, g, beta_BTH, state_BHKV, chunk_size=cfg.kda_chunk_size)
         elif mode == "prefill":
             o, state_BHKV = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV)
+        elif mode == "verify" and kda_verify_form(T) == "block":
+            o, states = kda_ops.kda_block(q, k, v, g, beta_BTH, state_BHKV)
+            state_BHKV = kda_ops.kda_block_state(states, jnp.full((B,), T, jnp.int32))
         elif mode == "verify":
             o, state_BHKV, states = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV, return_all_states=True)
         elif mode == "decode":  # one token per row

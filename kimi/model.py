@@ -38,7 +38,10 @@ class ModelOut:
     cache: KimiCache
     taps: Optional[jax.Array] = None  # [B, T, n_taps * D]: hidden states at the requested tap layers
     last_hidden: Optional[jax.Array] = None  # [B, T, D]: the final hidden state before the final norm
-    kda_states: Optional[jax.Array] = None  # verify: [n_kda, B, T, H, K, V], the state after every position
+    # verify: what rolls KDA back (see cache.select_verified), per KDA layer stacked on a leading n_kda axis: the
+    # state after every position [n_kda, B, T, H, K, V], or a KDABlockTrace (the closed-form block's); None
+    # without KDA layers
+    kda_rollback: object = None
     conv_states: Optional[jax.Array] = None  # verify: [n_kda, B, T, W, 3P]
 
 
@@ -129,7 +132,7 @@ class KimiForCausalLM(nnx.Module):
                 new_kda.append(out.state_BHKV)
                 new_conv.append(out.conv_BWC)
                 if mode == "verify":
-                    all_states.append(out.states_BTHKV)
+                    all_states.append(out.rollback)
                     all_convs.append(out.convs_BTWC)
                 i_kda += 1
             else:
@@ -171,7 +174,7 @@ class KimiForCausalLM(nnx.Module):
             nk = cfg.num_kda_layers
             W, C = conv_state.shape[2], conv_state.shape[3]
             H, K = cfg.kda_num_heads, cfg.kda_head_dim
-            out.kda_states = stack(all_states, jnp.zeros((nk, B, T, H, K, K), jnp.float32))
+            out.kda_rollback = jax.tree.map(lambda *xs: jnp.stack(xs), *all_states) if all_states else None
             out.conv_states = stack(all_convs, jnp.zeros((nk, B, T, W, C), conv_state.dtype))
         if mode == "decode":
             out.logits = logits[:, 0]
@@ -220,7 +223,7 @@ class KimiForCausalLM(nnx.Module):
     @staticmethod
     def rollback(out: ModelOut, length_before_B, n_keep_B) -> KimiCache:
         """The cache after keeping only the first ``n_keep`` verified positions (see cache.select_verified)."""
-        return select_verified(out.cache, out.kda_states, out.conv_states, jnp.asarray(length_before_B),
+        return select_verified(out.cache, out.kda_rollback, out.conv_states, jnp.asarray(length_before_B),
                                jnp.asarray(n_keep_B))
 
 

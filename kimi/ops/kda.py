@@ -18,6 +18,7 @@ q and k are *not* l2-normalised here; the caller applies :func:`l2norm` (FLA's n
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -227,6 +228,69 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, sca
     return jnp.moveaxis(o_TBHV, 0, 1), S_final, jnp.moveaxis(states_TBHKV, 0, 1)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KDABlockTrace:
+    """What :func:`kda_block` keeps of a block of T tokens to rebuild the state after any prefix of it
+    (:func:`kda_block_state`): the state before the block, the in-block cumulative decay and keys, and the
+    corrected values V'."""
+
+    state0_BHKV: jax.Array
+    gam_BTHK: jax.Array  # cumsum of g over the block (log space, <= 0)
+    k_BTHK: jax.Array
+    vp_BTHV: jax.Array  # V' = U - W S0 (see kda_block)
+
+
+def kda_block(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, state_BHKV=None, scale=None):
+    """A short block (a verify, T <= ~16) in closed form, with no loop over tokens: the WY form of
+    :func:`kda_chunked` on one chunk, written as small batched matmuls (no per-token states are materialised).
+
+    Per (b, h), with q pre-scaled, Gam_t = sum_{s<=t} g_s, E[i,j,c] = exp(Gam_i[c] - Gam_j[c]) for j <= i (masked
+    before exp), L[i,j] = beta_i sum_c k_i k_j E[i,j] (j < i), A[i,j] = sum_c q_i k_j E[i,j] (j <= i):
+
+        (I + L)^{-1} = (I - L)(I + L^2)(I + L^4)...        (L is strictly lower, so L^T = 0: exact for T <= 2^n)
+        [W | U] = (I + L)^{-1} Diag(beta) [exp(Gam) * K | V];     V' = U - W S0
+        O = (Q * exp(Gam)) S0 + A V'
+        S_n = Diag(exp(Gam_{n-1})) S0 + sum_{j<n} (exp(Gam_{n-1} - Gam_j) * k_j) V'_j^T     (kda_block_state)
+
+    Only differences Gam_i - Gam_j <= 0 and Gam <= 0 are exponentiated, so nothing overflows, whatever the gate.
+    Same arguments as :func:`kda_recurrent`. Returns ``(o_BTHV, trace)`` with a :class:`KDABlockTrace`.
+    """
+    q, k, v, g, beta = map(_f32, (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    B, T, H, K = q.shape
+    S0 = _init_state(state_BHKV, B, H, K, v.shape[-1])
+    q = q * _default_scale(scale, K)
+    gam = jnp.cumsum(g, axis=1)  # [B,T,H,K]
+    incl_TT = jnp.tril(jnp.ones((T, T), bool))
+    E = jnp.exp(jnp.where(incl_TT[None, :, :, None, None], gam[:, :, None] - gam[:, None, :], -jnp.inf))
+    kE = k[:, None] * E  # [B, i, j, H, K]: k_j E[i, j]
+    A_kk = _einsum("bijhk,bihk->bhij", kE, k)  # batched matvecs, not a multiply-reduce (XLA:CPU runs those slowly)
+    A_qk = _einsum("bijhk,bihk->bhij", kE, q)
+    L = jnp.where(jnp.tril(incl_TT, -1), A_kk * jnp.swapaxes(beta, 1, 2)[..., :, None], 0.0)  # [B,H,i,j]
+    inv, P, n = jnp.eye(T, dtype=_F32) - L, L, 2
+    while n < T:
+        P = _einsum("bhim,bhmj->bhij", P, P)
+        inv = inv + _einsum("bhim,bhmj->bhij", inv, P)
+        n *= 2
+    rhs = beta[..., None] * jnp.concatenate([jnp.exp(gam) * k, v], axis=-1)  # [B,T,H,K+V]
+    WU = _einsum("bhij,bjhc->bihc", inv, rhs)
+    vp = WU[..., K:] - _einsum("bthk,bhkv->bthv", WU[..., :K], S0)
+    o = _einsum("bthk,bhkv->bthv", q * jnp.exp(gam), S0) + _einsum("bhij,bjhv->bihv", A_qk, vp)
+    return o, KDABlockTrace(S0, gam, k, vp)
+
+
+def kda_block_state(trace: KDABlockTrace, n_B):
+    """The state after the first ``n`` (1..T, per row) tokens of the block :func:`kda_block` traced:
+    S_n = Diag(exp(Gam_{n-1})) S0 + sum_{j<n} (exp(Gam_{n-1} - Gam_j) * k_j) V'_j^T."""
+    gam, k, vp = trace.gam_BTHK, trace.k_BTHK, trace.vp_BTHV
+    T = gam.shape[1]
+    n_B = jnp.asarray(n_B, jnp.int32).reshape(-1)
+    gam_last = jnp.take_along_axis(gam, (n_B - 1)[:, None, None, None], axis=1)  # [B,1,H,K]
+    keep = (jnp.arange(T)[None, :] < n_B[:, None])[:, :, None, None]
+    w = jnp.exp(jnp.where(keep, gam_last - gam, -jnp.inf)) * k  # masked before exp
+    return trace.state0_BHKV * jnp.exp(gam_last[:, 0])[..., None] + _einsum("bthk,bthv->bhkv", w, vp)
+
+
 @jax.custom_vjp
 def unit_lower_inverse(a_NCC):
     """(I + L)^{-1} for unit lower-triangular matrices (the strictly upper part and the diagonal are not read).
@@ -327,5 +391,8 @@ __all__ = [
     "kda_recurrent",
     "kda_chunked",
     "kda_step",
+    "kda_block",
+    "kda_block_state",
+    "KDABlockTrace",
     "gated_rms_norm",
 ]

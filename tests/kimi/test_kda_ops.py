@@ -18,6 +18,8 @@ C_CONV = 6  # conv channels
 rec = jax.jit(kda.kda_recurrent, static_argnames=("return_all_states",))
 chunked = jax.jit(kda.kda_chunked, static_argnames=("chunk_size",))
 step = jax.jit(kda.kda_step)
+block = jax.jit(kda.kda_block)
+block_state = jax.jit(kda.kda_block_state)
 conv = jax.jit(kda.causal_conv, static_argnames=("return_all_states",))
 conv_step = jax.jit(kda.causal_conv_step)
 l2norm = jax.jit(kda.l2norm)
@@ -62,6 +64,31 @@ def test_chunked_matches_recurrent(gate, T, chunk):
     assert o_c.dtype == jnp.float32 and S_c.dtype == jnp.float32
     assert _maxdiff(o_c, o_r) <= 1e-5
     assert _maxdiff(S_c, S_r) <= 1e-5
+
+
+@pytest.mark.parametrize("gate", ["lower", "softplus"])
+@pytest.mark.parametrize("T", [1, 2, 5, 8, 16])
+def test_block_matches_recurrent_and_every_prefix_state(gate, T):
+    q, k, v, g, beta, S0 = _inputs(1, T, gate)
+    o_r, S_r, states = rec(q, k, v, g, beta, S0, return_all_states=True)
+    o_b, trace = block(q, k, v, g, beta, S0)
+    assert o_b.shape == (B, T, H, V) and o_b.dtype == jnp.float32
+    assert _maxdiff(o_b, o_r) <= 1e-5
+    for n in range(1, T + 1):
+        assert _maxdiff(block_state(trace, np.full((B,), n, np.int32)), states[:, n - 1]) <= 1e-5
+    n_B = np.array([1, T], np.int32)  # per row
+    np.testing.assert_allclose(block_state(trace, n_B), np.stack([states[0, 0], states[1, T - 1]]), atol=1e-5)
+
+
+def test_block_strong_decay_no_overflow():
+    """g near -5 per token and softplus gates far below: only differences are exponentiated."""
+    q, k, v, _, beta, S0 = _inputs(2, 16, "lower")
+    for g in (jnp.full((B, 16, H, K), -5.0), jnp.full((B, 16, H, K), -60.0)):
+        o_r, _, states = rec(q, k, v, g, beta, S0, return_all_states=True)
+        o_b, trace = block(q, k, v, g, beta, S0)
+        assert bool(jnp.all(jnp.isfinite(o_b)))
+        assert _maxdiff(o_b, o_r) <= 1e-5
+        assert _maxdiff(block_state(trace, np.full((B,), 16, np.int32)), states[:, -1]) <= 1e-5
 
 
 def test_chunked_strong_decay_chunk64_no_overflow():

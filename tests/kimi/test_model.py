@@ -63,7 +63,9 @@ def test_verify_after_prefill_matches_longer_prefill(setup):
     full = m.prefill(np.concatenate([tok[:, :p], extra], 1), m.init_cache(2, 32), tap_layers=(2,))
     np.testing.assert_allclose(ver.logits, full.logits[:, p:], atol=1e-4)
     np.testing.assert_allclose(ver.taps, full.taps[:, p:], atol=1e-4)
-    assert ver.kda_states.shape[:3] == (cfg.num_kda_layers, 2, 5)
+    assert isinstance(ver.kda_rollback, kimi.ops.kda.KDABlockTrace)  # a short verify: the closed-form block
+    assert ver.kda_rollback.k_BTHK.shape[:3] == (cfg.num_kda_layers, 2, 5)
+    np.testing.assert_allclose(ver.cache.kda_state, full.cache.kda_state, atol=1e-5)
     # the state verify reports at accepted length k equals prefilling prompt + k tokens
     for k in (1, 3, 5):
         ref = m.prefill(np.concatenate([tok[:, :p], extra[:, :k]], 1), m.init_cache(2, 32))
@@ -77,6 +79,20 @@ def test_verify_after_prefill_matches_longer_prefill(setup):
         a = m.decode(nxt, jax.tree.map(jnp.copy, rolled)).logits  # decode donates its cache: keep ver's intact
         b = m.decode(nxt, ref.cache).logits
         np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_long_verify_keeps_per_position_states(setup):
+    """Past kda_verify_form's block limit verify scans tokens and keeps every state; rollback picks one."""
+    cfg, m, tok, pre = setup
+    T = kimi.layers.KDA_BLOCK_MAX_TOKENS + 2
+    first = m.prefill(tok[:, :3], m.init_cache(2, 32))
+    extra = _tokens(cfg, 2, T, seed=9)
+    ver = m.verify(extra, first.cache)
+    assert ver.kda_rollback.shape[:3] == (cfg.num_kda_layers, 2, T)
+    k = T - 1
+    rolled = kimi.KimiForCausalLM.rollback(ver, np.full((2,), 3, np.int32), np.full((2,), k, np.int32))
+    ref = m.prefill(np.concatenate([tok[:, :3], extra[:, :k]], 1), m.init_cache(2, 32))
+    np.testing.assert_allclose(rolled.kda_state, ref.cache.kda_state, atol=1e-5)
 
 
 def test_rollback_per_row(setup):
