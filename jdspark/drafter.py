@@ -65,20 +65,22 @@ def rope(x_SHK, pos_S, theta: float):
     return x_SHK * cos + rot * sin
 
 
-def _attend(q_BGKRH, k_ctx, v_ctx, ctx_mask_BS, k_blk_BGKH, v_blk_BGKH, blk_mask_GG, scale: float):
+def _attend(q_BGKRH, kT_ctx, v_ctx, ctx_mask_BS, k_blk_BGKH, v_blk_BGKH, blk_mask_GG, scale: float):
     """Softmax attention of block queries over [context ; own block].
 
-    q: [B, G, KVh, R, hd] (query head h = kv_head * R + r, i.e. torch's repeat_kv order). Context K/V:
-    [Bc, S, KVh, hd] with Bc = B, or Bc = 1 shared by every block (training). ctx_mask: [B, S]."""
+    q: [B, G, KVh, R, hd] (query head h = kv_head * R + r, i.e. torch's repeat_kv order). Context K/V in the
+    layout the two matmuls read without a copy (see ``DrafterCache``): kT [Bc, KVh, hd, S], v [Bc, KVh, S, hd],
+    with Bc = B, or Bc = 1 shared by every block (training). ctx_mask: [B, S]."""
     B = q_BGKRH.shape[0]
-    shared = k_ctx.shape[0] == 1 and B != 1
+    shared = kT_ctx.shape[0] == 1 and B != 1
+    q = jnp.transpose(q_BGKRH, (0, 2, 3, 1, 4))  # [B, KVh, R, G, hd]: the order in which no context K/V is copied
     if shared:
-        s_ctx = jnp.einsum("bgkrh,skh->bkrgs", q_BGKRH, k_ctx[0], preferred_element_type=f32)
+        s_ctx = jnp.einsum("bkrgh,khs->bkrgs", q, kT_ctx[0], preferred_element_type=f32)
     else:
-        s_ctx = jnp.einsum("bgkrh,bskh->bkrgs", q_BGKRH, k_ctx, preferred_element_type=f32)
-    s_blk = jnp.einsum("bgkrh,bjkh->bkrgj", q_BGKRH, k_blk_BGKH, preferred_element_type=f32)
+        s_ctx = jnp.einsum("bkrgh,bkhs->bkrgs", q, kT_ctx, preferred_element_type=f32)
+    s_blk = jnp.einsum("bkrgh,bjkh->bkrgj", q, k_blk_BGKH, preferred_element_type=f32)
     s = jnp.concatenate([s_ctx, s_blk], axis=-1) * scale
-    G, S = q_BGKRH.shape[1], k_ctx.shape[1]
+    G, S = q_BGKRH.shape[1], kT_ctx.shape[-1]
     mask = jnp.concatenate([
         jnp.broadcast_to(ctx_mask_BS[:, None, None, None, :], (B, 1, 1, G, S)),
         jnp.broadcast_to(blk_mask_GG[None, None, None], (B, 1, 1, G, G)),
@@ -87,10 +89,16 @@ def _attend(q_BGKRH, k_ctx, v_ctx, ctx_mask_BS, k_blk_BGKH, v_blk_BGKH, blk_mask
     p = jax.nn.softmax(s, axis=-1).astype(v_blk_BGKH.dtype)
     p_ctx, p_blk = p[..., :S], p[..., S:]
     if shared:
-        out = jnp.einsum("bkrgs,skh->bgkrh", p_ctx, v_ctx[0])
+        out = jnp.einsum("bkrgs,ksh->bkrgh", p_ctx, v_ctx[0])
     else:
-        out = jnp.einsum("bkrgs,bskh->bgkrh", p_ctx, v_ctx)
-    return out + jnp.einsum("bkrgj,bjkh->bgkrh", p_blk, v_blk_BGKH)
+        out = jnp.einsum("bkrgs,bksh->bkrgh", p_ctx, v_ctx)
+    out = out + jnp.einsum("bkrgj,bjkh->bkrgh", p_blk, v_blk_BGKH)
+    return jnp.transpose(out, (0, 3, 1, 2, 4))  # [B, G, KVh, R, hd]
+
+
+def _attention_layout(k_LBSKH, v_LBSKH):
+    """Context K/V [L, B, S, KVh, hd] (as projected) -> (kT [L, B, KVh, hd, S], v [L, B, KVh, S, hd])."""
+    return jnp.transpose(k_LBSKH, (0, 1, 3, 4, 2)), jnp.transpose(v_LBSKH, (0, 1, 3, 2, 4))
 
 
 # ====================================================================== small modules
@@ -281,8 +289,10 @@ class ConfidenceHead(nnx.Module):
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "length"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class DrafterCache:
-    """Context K/V of every draft layer. k: [L, B, S_max, KVh, hd] (k_norm'ed and RoPE'd at absolute positions),
-    v: same shape, length: int32 scalar = number of valid context slots (slots >= length are ignored)."""
+    """Context K/V of every draft layer, in the layout the block's attention reads without a copy (a [S, KVh, hd]
+    cache cost a transposed copy of all of it on every draft): k: [L, B, KVh, hd, S_max] (k_norm'ed and RoPE'd
+    at absolute positions), v: [L, B, KVh, S_max, hd]; length: int32 scalar = number of valid context slots
+    (slots >= length are ignored)."""
 
     k: jax.Array
     v: jax.Array
@@ -290,7 +300,7 @@ class DrafterCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[-1]
 
     @property
     def batch_size(self) -> int:
@@ -371,9 +381,10 @@ class DSparkDrafter(nnx.Module):
         cfg = self.config
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"init_cache: batch_size and max_len must be positive, got {batch_size}, {max_len}")
-        shape = (cfg.num_hidden_layers, batch_size, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        L, KVh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         dt = jnp.dtype(dtype) if dtype is not None else self.dtype
-        return DrafterCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((), jnp.int32))
+        return DrafterCache(jnp.zeros((L, batch_size, KVh, hd, max_len), dt),
+                            jnp.zeros((L, batch_size, KVh, max_len, hd), dt), jnp.zeros((), jnp.int32))
 
     def append_context(self, cache: DrafterCache, taps_BNX, n_valid, start_pos=None) -> DrafterCache:
         """Write context K/V of N (static) new positions at slots [length, length + N) and advance length by
@@ -394,10 +405,10 @@ class DSparkDrafter(nnx.Module):
             start_pos = length
         pos = jnp.asarray(start_pos, jnp.int32).reshape(-1, 1) + jnp.arange(N, dtype=jnp.int32)
         pos = jnp.broadcast_to(pos, (B, N))
-        k, v = self._context_kv(self.context(taps_BNX), pos)
-        at = (0, 0, length.astype(jnp.int32), 0, 0)
-        k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), at)
-        v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), at)
+        k, v = _attention_layout(*self._context_kv(self.context(taps_BNX), pos))
+        at = length.astype(jnp.int32)
+        k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, at))
+        v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, at, 0))
         return DrafterCache(k, v, (length + jnp.asarray(n_valid, jnp.int32)).astype(jnp.int32))
 
     def draft_logits(self, cache: DrafterCache, anchor_token_B, anchor_pos, embed_VD, lm_head_DV):
@@ -481,7 +492,7 @@ class DSparkDrafter(nnx.Module):
             jnp.asarray(position_ids_1T, jnp.int32)[0]
         doc_T = jnp.zeros((T,), jnp.int32) if document_ids_1T is None else jnp.asarray(document_ids_1T, jnp.int32)[0]
 
-        k_ctx, v_ctx = self._context_kv(self.context(taps_1TX), pos_T[None])  # [L, 1, T, KVh, hd]
+        k_ctx, v_ctx = _attention_layout(*self._context_kv(self.context(taps_1TX), pos_T[None]))
         idx = anchors[:, None] + jnp.arange(G, dtype=jnp.int32)  # [N, G]
         blk_ids = jnp.full(idx.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(ids_T[anchors])
         x = self._embed(blk_ids, embed_VD)

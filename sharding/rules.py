@@ -192,8 +192,8 @@ CACHE_AXES: dict[str, dict[str, tuple]] = {
         "length": ("batch",),
     },
     "DrafterCache": {
-        "k": (None, "batch", "cache_seq", "draft_kv_heads", None),  # [L, B, S, KVh, hd]
-        "v": (None, "batch", "cache_seq", "draft_kv_heads", None),
+        "k": (None, "batch", "draft_kv_heads", None, "cache_seq"),  # [L, B, KVh, hd, S]
+        "v": (None, "batch", "draft_kv_heads", "cache_seq", None),  # [L, B, KVh, S, hd]
         "length": (),
     },
 }

@@ -26,7 +26,7 @@ def snapshot() -> dict:
     import jax.numpy as jnp
     from flax import nnx
 
-    from jdspark.drafter import DrafterCache, DSparkDrafter
+    from jdspark.drafter import DSparkDrafter
     from kimi.cache import KimiCache
     from kimi.info import abstract_model
     from sharding.mesh import mesh_dims
@@ -38,9 +38,7 @@ def snapshot() -> dict:
     target = abstract_model(cfg)
     drafter = nnx.eval_shape(lambda: DSparkDrafter(dcfg, rngs=nnx.Rngs(1)))
     cache = KimiCache.abstract(cfg, CACHE_BATCH, CACHE_LEN)
-    kv = jax.ShapeDtypeStruct((dcfg.num_hidden_layers, CACHE_BATCH, CACHE_LEN, dcfg.num_key_value_heads,
-                               dcfg.head_dim), jnp.float32)
-    dcache = DrafterCache(kv, kv, jax.ShapeDtypeStruct((), jnp.int32))
+    dcache = jax.eval_shape(lambda: drafter.init_cache(CACHE_BATCH, CACHE_LEN))
 
     def fields(c):
         specs = cache_specs(c, mesh, rules)
