@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jdspark.config import DSparkConfig
+from kimi.layers import fuse_projections, project_many
 
 f32 = jnp.float32
 _LOSS_REDUCTION_EPS = 1e-5  # speculators losses/utils.py
@@ -184,17 +185,20 @@ class Attention(nnx.Module):
 
     def kv(self, x_BSD, pos_BS):
         """Keys (k_norm'ed, RoPE'd at pos) and values of rows x: [B, S, KVh, hd] each."""
-        B, S, _ = x_BSD.shape
-        k = self.k_norm(self.k_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x_BSD).reshape(B, S, self.num_kv_heads, self.head_dim)
-        return rope(k, pos_BS, self.rope_theta), v
+        return self._kv(*project_many(self, x_BSD, ("k_proj", "v_proj")), pos_BS)
+
+    def _kv(self, k_BSP, v_BSP, pos_BS):
+        B, S, _ = k_BSP.shape
+        k = self.k_norm(k_BSP.reshape(B, S, self.num_kv_heads, self.head_dim))
+        return rope(k, pos_BS, self.rope_theta), v_BSP.reshape(B, S, self.num_kv_heads, self.head_dim)
 
     def __call__(self, h_BGD, pos_BG, k_ctx, v_ctx, ctx_mask_BS, blk_mask_GG):
         B, G, _ = h_BGD.shape
         KV, hd = self.num_kv_heads, self.head_dim
-        q = self.q_norm(self.q_proj(h_BGD).reshape(B, G, self.num_heads, hd))
+        q, k, v = project_many(self, h_BGD, ("q_proj", "k_proj", "v_proj"))
+        q = self.q_norm(q.reshape(B, G, self.num_heads, hd))
         q = rope(q, pos_BG, self.rope_theta).reshape(B, G, KV, self.num_heads // KV, hd)
-        k_blk, v_blk = self.kv(h_BGD, pos_BG)
+        k_blk, v_blk = self._kv(k, v, pos_BG)
         out = _attend(q, k_ctx, v_ctx, ctx_mask_BS, k_blk, v_blk, blk_mask_GG, hd ** -0.5)
         return self.o_proj(out.reshape(B, G, self.num_heads * hd))
 
@@ -207,7 +211,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(F, D, rngs=rngs, dtype=dtype)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_many(self, x, ("gate_proj", "up_proj"))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -892,3 +897,15 @@ __all__ = [
     "DSparkDrafter", "DrafterCache", "DSparkConfig", "load_drafter", "save_drafter", "state_dict", "training_loss",
     "dspark_loss", "select_anchors", "resolve_loss", "rms_norm", "rope", "check_target", "verifier_targets",
 ]
+
+
+def with_serving_layout(drafter: DSparkDrafter) -> DSparkDrafter:
+    """The drafter as a generation serves it, made once inside the generation's program (not once per step): the
+    projections that read the same input side by side (``kimi.layers.project_many``: q|k|v and k|v of each layer's
+    attention, gate|up of its MLP). Same weights, same results up to float summation order."""
+    drafter = nnx.merge(*nnx.split(drafter))
+    for layer in drafter.layers:
+        fuse_projections(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        fuse_projections(layer.self_attn, ("k_proj", "v_proj"))
+        fuse_projections(layer.mlp, ("gate_proj", "up_proj"))
+    return drafter

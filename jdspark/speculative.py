@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from jdspark.drafter import with_serving_layout as drafter_serving_layout
 from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits, sample
 from kimi.cache import KimiCache, select_verified
 from kimi.model import with_serving_layout
@@ -156,9 +157,10 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
     target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     if _serving_layout_fits(target):
         target = with_serving_layout(target)
-    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+        drafter = drafter_serving_layout(drafter) if drafter is not None else None
     cfg = target.config
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0

@@ -59,7 +59,10 @@ def project_many(module, x, names):
 
 def fuse_projections(module, names):
     """Attach the kernels of the Linear children ``names`` side by side (a ``ServingLayout`` copy), so that
-    ``project_many`` reads the shared input once in one matmul instead of one small matmul per projection."""
+    ``project_many`` reads the shared input once in one matmul instead of one small matmul per projection.
+    Projections with a bias are left alone."""
+    if any(getattr(_child(module, n), "bias", None) is not None for n in names):
+        return
     kernels = [_child(module, n).kernel[...] for n in names]
     setattr(module, _fused_attr(names), ServingLayout(jnp.concatenate(kernels, axis=1)))
 

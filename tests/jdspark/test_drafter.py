@@ -235,6 +235,24 @@ def test_draft_logits_jit_does_not_recompile():
     assert not np.allclose(l1, l2)
 
 
+def test_serving_layout_drafts_the_same():
+    """The serving copy (fused projections) appends the same context and gives the same block logits."""
+    from jdspark.drafter import with_serving_layout
+
+    cfg = DSparkConfig.tiny()
+    d = _drafter(cfg)
+    served = with_serving_layout(d)
+    assert hasattr(served.layers[0].mlp, "fused_gate_proj__up_proj")
+    embed, lm_head = _shared()
+    taps = jax.random.normal(jax.random.PRNGKey(3), (1, cfg.block_size + 1, NTAP * D))
+    outs = []
+    for m in (d, served):
+        cache = jax.jit(lambda c, t, m=m: m.append_context(c, t, 4))(m.init_cache(1, 16), taps)
+        outs.append((cache, jax.jit(lambda c, m=m: m.draft_logits(c, jnp.array([2]), None, embed, lm_head))(cache)))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 def test_append_context_checks_capacity():
     d = _drafter(DSparkConfig.tiny())
     cache = d.init_cache(1, 6)
