@@ -118,7 +118,7 @@ def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, ke
         base_1V, hid_1D, k = xs
         bias, mstate = drafter.markov_bias(prev_1, hid_1D, mstate)
         z = base_1V + bias.astype(jnp.float32)
-        c = drafter.confidence_logit(hid_1D, prev_1)
+        c = drafter.confidence_logit(hid_1D, prev_1) if threshold > 0 else None  # only truncation reads it
         c = jnp.zeros((1,), jnp.float32) if c is None else c
         tok = sample(k, z, sp)
         logq = process_logits(z, sp) if not sp.greedy else jnp.zeros_like(z)
