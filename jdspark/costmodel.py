@@ -6,6 +6,8 @@ independent per-draft acceptance probability ``p``::
 
     E[tokens per step] = sum_{k=0..gamma} p**k = (1 - p**(gamma + 1)) / (1 - p)      (gamma + 1 at p = 1)
     speedup            = E[tokens per step] / (1 + r)
+                         (/ (v + r) when a verify pass costs v decode steps instead of one: see
+                          speedup_from_per_position)
 
 With measured acceptance instead, let ``a[i]`` be the fraction of steps whose draft ``i`` (0-based) was
 accepted, i.e. ``P(accept length > i)`` (a marginal, non-increasing in ``i``; not the conditional rate
@@ -123,9 +125,14 @@ def expected_tokens_from_per_position(per_position_accept: Sequence[float]) -> f
     return 1.0 + math.fsum(acc)
 
 
-def speedup_from_per_position(per_position_accept: Sequence[float], r: float) -> float:
-    """``expected_tokens_from_per_position(per_position_accept) / (1 + r)``."""
-    return expected_tokens_from_per_position(per_position_accept) / (1.0 + _check_r(r))
+def speedup_from_per_position(per_position_accept: Sequence[float], r: float, v: float = 1.0) -> float:
+    """``expected_tokens_from_per_position(per_position_accept) / (v + r)``: ``v`` is the verify pass's cost in
+    plain decode steps (the seed's model takes 1: a memory-bound accelerator reads the weights once either way;
+    on a CPU, where a block of gamma + 1 tokens costs several steps, measure it)."""
+    v = float(v)
+    if not v > 0 or math.isinf(v):
+        raise ValueError(f"v must be a positive finite number, got {v}")
+    return expected_tokens_from_per_position(per_position_accept) / (v + _check_r(r))
 
 
 def table(ps: Sequence[float] = DEFAULT_PS, gamma: int = DEFAULT_GAMMA, r: float = DEFAULT_R) -> list[dict]:

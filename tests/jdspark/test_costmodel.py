@@ -53,6 +53,9 @@ def test_per_position():
         cumulative = [p ** (i + 1) for i in range(7)]  # P(accept length > i) under independent acceptance
         assert cm.expected_tokens_from_per_position(cumulative) == pytest.approx(cm.expected_tokens_per_step(p, 7))
         assert cm.speedup_from_per_position(cumulative, 0.1) == pytest.approx(cm.speedup(p, 7, 0.1))
+        # a verify that costs v decode steps: the same tokens over v + r steps
+        assert cm.speedup_from_per_position(cumulative, 0.1, v=3.0) == pytest.approx(
+            cm.expected_tokens_per_step(p, 7) / 3.1)
     # all entries equal to p: every step accepts all drafts or none (fully correlated) -> 1 + gamma * p
     assert cm.expected_tokens_from_per_position([0.8] * 7) == pytest.approx(1 + 7 * 0.8)
     with pytest.raises(ValueError, match=r"non-increasing"):
