@@ -5,13 +5,16 @@ One step, batch 1 (the stream one user waits on), positions n = tokens the targe
   drafter:  block [a, MASK x (G-1)] over its context (taps of positions < n) -> base logits [G, V]
             Markov head, sequential (lax.scan): slot k's bias from the previous token (slot 0: a); draft d_k is the
             argmax (greedy) or a draw from q_k (sampling); confidence c_k; survival_k = prod_{j<=k} sigmoid(c_j)
-  target:   verify([a, d_1 .. d_G]) -> logits p_0 .. p_G (p_i predicts position n+i+1), taps, per-position states
+  target:   verify([a, d_1 .. d_G]) -> logits p_0 .. p_G (p_i predicts position n+i+1), taps, what rolls back
   accept:   greedy: the longest prefix with d_{i+1} = argmax p_i, then the bonus argmax p_m;
             sampling: rejection sampling with p and q processed identically (lossless)
-  commit:   the target's KDA/conv state at position n+m (selected, not recomputed), MLA length n+m+1; the drafter's
+  commit:   the target's KDA state at position n+m (rebuilt from the closed-form verify block's trace: one small
+            matmul per layer) and conv state (selected), MLA length n+m+1; nothing is re-run; the drafter's
             context grows by the taps of positions n .. n+m; the m accepted drafts and the bonus are emitted; the
             bonus is the next anchor.
-``drafter=None`` runs plain decoding through the same loop (one target decode per step).
+``drafter=None`` runs plain decoding through the same loop (one target decode per step). A small model is served
+from a copy of its weights laid out for these passes, made once at the start of the program
+(``kimi.model.with_serving_layout``, ``jdspark.drafter.with_serving_layout``).
 """
 
 from __future__ import annotations
