@@ -60,8 +60,8 @@ def project_many(module, x, names):
 def fuse_projections(module, names):
     """Attach the kernels of the Linear children ``names`` side by side (a ``ServingLayout`` copy), so that
     ``project_many`` reads the shared input once in one matmul instead of one small matmul per projection.
-    Projections with a bias are left alone."""
-    if any(getattr(_child(module, n), "bias", None) is not None for n in names):
+    Projections with a bias, and an empty group, are left alone."""
+    if not names or any(getattr(_child(module, n), "bias", None) is not None for n in names):
         return
     kernels = [_child(module, n).kernel[...] for n in names]
     setattr(module, _fused_attr(names), ServingLayout(jnp.concatenate(kernels, axis=1)))

@@ -171,11 +171,9 @@ class KimiForCausalLM(nnx.Module):
         out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,
                        taps=jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None)
         if mode == "verify":
-            nk = cfg.num_kda_layers
             W, C = conv_state.shape[2], conv_state.shape[3]
-            H, K = cfg.kda_num_heads, cfg.kda_head_dim
             out.kda_rollback = jax.tree.map(lambda *xs: jnp.stack(xs), *all_states) if all_states else None
-            out.conv_states = stack(all_convs, jnp.zeros((nk, B, T, W, C), conv_state.dtype))
+            out.conv_states = stack(all_convs, jnp.zeros((cfg.num_kda_layers, B, T, W, C), conv_state.dtype))
         if mode == "decode":
             out.logits = logits[:, 0]
         return out
@@ -268,12 +266,12 @@ def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
 
     model = with_dense_experts(model) if model.config.expert_format == "mxfp4" else nnx.merge(*nnx.split(model))
     for layer in model.model.layers:
-        fuse_projections(layer.self_attn, layer.self_attn.input_projections())
-        ffn = layer.mlp if model.config.ffn_kinds[layer.layer_idx] == "dense" else layer.block_sparse_moe
-        if ffn.input_projections():
-            fuse_projections(ffn, ffn.input_projections())
-        if model.config.ffn_kinds[layer.layer_idx] == "moe":
-            layer.block_sparse_moe.experts.make_all_layout()
+        moe = model.config.ffn_kinds[layer.layer_idx] == "moe"
+        ffn = layer.block_sparse_moe if moe else layer.mlp
+        for module in (layer.self_attn, ffn):
+            fuse_projections(module, module.input_projections())
+        if moe:
+            ffn.experts.make_all_layout()
     return model
 
 
