@@ -393,16 +393,19 @@ class RoutedExperts(nnx.Module):
 
     def all_layout(self, dtype):
         """(w13 [D, 2EF], w2 [EF, D]) for the 'all' path: the copy made once by ``with_serving_layout`` when
-        there is one, else rearranged here (on every call)."""
+        there is one (which also holds w13 per expert, [E, D, 2F], for the 'used' loop), else rearranged here
+        (on every call)."""
         if hasattr(self, "all_w13_D2EF"):
             return self.all_w13_D2EF[...].astype(dtype), self.all_w2_EFD[...].astype(dtype)
         return moe_ops.fuse_experts_for_all(self.weight("w1", None, dtype), self.weight("w3", None, dtype),
                                             self.weight("w2", None, dtype))
 
     def make_all_layout(self):
-        """Attach the 'all' path's layout (``ServingLayout`` variables), from the dense weights."""
-        w13, w2 = moe_ops.fuse_experts_for_all(*(self.weight(n, None, self.cfg.dtype) for n in ("w1", "w3", "w2")))
+        """Attach the layouts of the 'all' and 'used' paths (``ServingLayout`` variables), from the dense weights."""
+        dense = [self.weight(n, None, self.cfg.dtype) for n in ("w1", "w3", "w2")]
+        w13, w2 = moe_ops.fuse_experts_for_all(*dense)
         self.all_w13_D2EF, self.all_w2_EFD = ServingLayout(w13), ServingLayout(w2)
+        self.used_w13_ED2F = ServingLayout(moe_ops.fuse_experts_per_expert(*dense)[0])  # w2: all_w2_EFD reshaped
 
     def __call__(self, z_TD, w_TX, idx_TX):
         ep = getattr(self, "expert_parallel", None)  # set by sharding.shard_model: experts under jax.shard_map
@@ -420,7 +423,11 @@ class RoutedExperts(nnx.Module):
                                             self.weight("w3", idx_TX, z_TD.dtype),
                                             self.weight("w2", idx_TX, z_TD.dtype), *act)
         if path == "all":
-            return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, *self.all_layout(z_TD.dtype), c.num_experts, *act)
+            w13, w2 = self.all_layout(z_TD.dtype)
+            if hasattr(self, "used_w13_ED2F"):  # the serving copy: skip the experts no row picked when they are many
+                return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, w13, self.used_w13_ED2F[...].astype(z_TD.dtype),
+                                                   w2, *act)
+            return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, w13, w2, c.num_experts, *act)
         if path == "blocked":
             return moe_ops.experts_blocked(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                            self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype),

@@ -260,8 +260,8 @@ def with_dense_experts(model: KimiForCausalLM) -> KimiForCausalLM:
 def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
     """The model as a generation serves a small model, made once inside the generation's program (not once per
     step): MXFP4 experts dequantised; every expert also in the fused layout of the verify path ('all', see
-    ``RoutedExperts.all_layout``); the projections that read the same input side by side (``project_many``).
-    About twice the weights' bytes. Same weights, same results up to float summation order."""
+    ``RoutedExperts.all_layout``) and per expert (the 'used' loop); the projections that read the same input side
+    by side (``project_many``). About three times the experts' bytes. Same weights, same results up to float summation order."""
     from kimi.layers import fuse_projections
 
     model = with_dense_experts(model) if model.config.expert_format == "mxfp4" else nnx.merge(*nnx.split(model))

@@ -1,4 +1,4 @@
-"""Mixture-of-experts math: the sigmoid + bias router and two ways to run the routed experts.
+"""Mixture-of-experts math: the sigmoid + bias router and the ways to run the routed experts.
 
 Router (DeepSeek-V3 ``noaux_tc``, as K3 and Kimi-Linear use it), all fp32:
   s = sigmoid(x W_gate^T);  selection by s + b  (b = e_score_correction_bias);
@@ -14,6 +14,9 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
   all:      every row through every expert, combined with the routing weights; for a few rows that touch most
             experts anyway (a verify block on a small model). Two matmuls on a fused layout of the weights
             (fuse_experts_for_all), which serving builds once per generation.
+  used:     only the experts some row picked, each on every row, in a loop whose trip count comes from the routing
+            (experts_used); serving's verify takes it over 'all' when the rows pick few experts
+            (experts_all_or_used), as a block of similar tokens does.
   blocked:  sorted by expert, each expert's rows padded to a multiple of a block, one batched matmul per block
             (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU).
 kimi.layers.moe_dispatch picks one from static shapes.
@@ -107,6 +110,12 @@ def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=N
     return out[:T].astype(dt)
 
 
+def routing_weights_TE(w_TX, idx_TX, num_experts: int):
+    """c [T, E]: row t's routing weight for expert e (the sum over its slots that picked e; 0 when unrouted)."""
+    T = idx_TX.shape[0]
+    return jnp.zeros((T, num_experts), jnp.float32).at[jnp.arange(T)[:, None], idx_TX].add(w_TX.astype(jnp.float32))
+
+
 def fuse_experts_for_all(w1_EFD, w3_EFD, w2_EDF):
     """The dense experts laid out for :func:`experts_all_fused`: ``w13 [D, 2*E*F]`` (every expert's W1^T, then
     every expert's W3^T, expert-major columns) and ``w2 [E*F, D]`` (the W2^T stacked). A copy of every expert
@@ -129,9 +138,61 @@ def experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, num_experts: int, ac
     EF = w2_EFD.shape[0]
     gu_T2EF = jnp.dot(x_TD, w13_D2EF.astype(x_TD.dtype))
     h_TEF = glu(gu_T2EF[:, :EF], gu_T2EF[:, EF:], act, beta, linear_beta).reshape(T, E, EF // E)
-    c_TE = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx_TX].add(w_TX)
+    c_TE = routing_weights_TE(w_TX, idx_TX, E)
     h_TEF = (h_TEF.astype(jnp.float32) * c_TE[:, :, None]).astype(x_TD.dtype)
     return jnp.dot(h_TEF.reshape(T, EF), w2_EFD.astype(x_TD.dtype))
+
+
+def fuse_experts_per_expert(w1_EFD, w3_EFD, w2_EDF):
+    """The dense experts laid out for :func:`experts_used`: ``w13 [E, D, 2F]`` (expert e's [W1_e^T | W3_e^T]) and
+    ``w2 [E, F, D]`` (W2_e^T): each expert's weights one contiguous block, right operands of a row-major matmul."""
+    return (jnp.concatenate([jnp.swapaxes(w1_EFD, 1, 2), jnp.swapaxes(w3_EFD, 1, 2)], axis=2),
+            jnp.swapaxes(w2_EDF, 1, 2))
+
+
+def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, linear_beta=None):
+    """Only the experts some row routes to, one after another, each on every row:
+
+        y = sum over e in U of  (c[:, e] * act(x W1_e^T, x W3_e^T)) W2_e^T,    U = {idx[t, j]} (the distinct experts)
+
+    a loop whose trip count |U| is read from the routing (``fori_loop`` with a traced bound), so the weights of
+    experts no row picked are never read. The same sum as :func:`experts_all_fused` (rows not routed to e get
+    c = 0), expert by expert. For a few rows whose routing concentrates (a verify block on a model whose router
+    sends a block's tokens to a few experts), its cost is |U| experts' weights instead of E."""
+    T, E = x_TD.shape[0], w13_ED2F.shape[0]
+    F = w2_EFD.shape[1]
+    dt = x_TD.dtype
+    c_TE = routing_weights_TE(w_TX, idx_TX, E)
+    used_E = jnp.zeros((E,), jnp.bool_).at[idx_TX.reshape(-1)].set(True)
+    order_E = jnp.argsort(~used_E, stable=True)  # the used experts first, ascending
+
+    def one_expert(i, y_TD):
+        e = order_E[i]
+        gu_T2F = jnp.dot(x_TD, w13_ED2F[e].astype(dt))
+        h_TF = (glu(gu_T2F[:, :F], gu_T2F[:, F:], act, beta, linear_beta).astype(jnp.float32)
+                * c_TE[:, e][:, None]).astype(dt)
+        return y_TD + jnp.dot(h_TF, w2_EFD[e].astype(dt)).astype(jnp.float32)
+
+    y_TD = jax.lax.fori_loop(0, used_E.sum(), one_expert, jnp.zeros((T, w2_EFD.shape[2]), jnp.float32))
+    return y_TD.astype(dt)
+
+
+# experts_used runs an expert on all T rows (cost ~ one expert's weights), experts_all_fused runs all E at once
+# (cost ~ E experts' weights, one matmul pair): the loop wins while the rows pick at most about half the experts
+# (measured on the shipped pair, XLA:CPU: a loop over all 8 of 8 experts costs ~2x the fused pair).
+USED_LOOP_MAX_FRACTION = 0.5
+
+
+def experts_all_or_used(x_TD, w_TX, idx_TX, w13_D2EF, w13_ED2F, w2_EFD, act: str, beta=None, linear_beta=None):
+    """The verify path of a small model: :func:`experts_used` when the rows pick at most
+    ``USED_LOOP_MAX_FRACTION`` of the experts, else :func:`experts_all_fused` (a branch taken at run time on the
+    routing). ``w13_D2EF`` and ``w13_ED2F`` hold the same weights in the two layouts; ``w2 [E*F, D]`` serves both."""
+    E, _, F2 = w13_ED2F.shape
+    n_used = jnp.zeros((E,), jnp.bool_).at[idx_TX.reshape(-1)].set(True).sum()
+    return jax.lax.cond(
+        n_used <= int(E * USED_LOOP_MAX_FRACTION),
+        lambda: experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD.reshape(E, F2 // 2, -1), act, beta, linear_beta),
+        lambda: experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, E, act, beta, linear_beta))
 
 
 def experts_all(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None):

@@ -205,6 +205,7 @@ def test_serving_layout_matches_the_checkpoint_model():
     assert dense.config.expert_format == "dense"
     ex = dense.model.layers[1].block_sparse_moe.experts
     assert isinstance(ex.all_w13_D2EF, kimi.layers.ServingLayout)
+    assert isinstance(ex.used_w13_ED2F, kimi.layers.ServingLayout)
     toks = np.arange(3, 12, dtype=np.int32)[None]
     np.testing.assert_allclose(target.prefill(toks, target.init_cache(1, 16)).logits,
                                dense.prefill(toks, dense.init_cache(1, 16)).logits, atol=2e-6, rtol=0)

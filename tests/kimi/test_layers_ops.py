@@ -91,9 +91,39 @@ def test_moe_paths_agree(act):
     g = moe.experts_grouped(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
     ga = moe.experts_gathered(x, w, w1[idx], w3[idx], w2[idx], act, 4.0, 25.0)
     b = moe.experts_blocked(x, w, idx, w1, w3, w2, act, 4.0, 25.0, block=4)
+    u = moe.experts_used(x, w, idx, *moe.fuse_experts_per_expert(w1, w3, w2), act, 4.0, 25.0)
     np.testing.assert_allclose(g, ref, atol=1e-5)
+    np.testing.assert_allclose(u, ref, atol=1e-5)
     np.testing.assert_allclose(ga, ref, atol=1e-5)
     np.testing.assert_allclose(b, ref, atol=1e-5)
+
+
+def test_experts_used_reads_only_the_routed_experts():
+    """experts_used skips every expert no row picked: NaN weights there leave the result untouched."""
+    w1, w3, w2 = _experts()
+    x = jax.random.normal(jax.random.key(5), (5, 32))
+    idx = jnp.array([[4, 1], [1, 4], [4, 1], [1, 4], [1, 4]], jnp.int32)
+    w = jnp.full(idx.shape, 0.5)
+    ref = moe.experts_all(x, w, idx, w1, w3, w2, "situ", 4.0, 25.0)
+    unused = jnp.array([0, 2, 3, 5])
+    poison = [a.at[unused].set(jnp.nan) for a in moe.fuse_experts_per_expert(w1, w3, w2)]
+    np.testing.assert_allclose(moe.experts_used(x, w, idx, *poison, "situ", 4.0, 25.0), ref, atol=1e-5)
+    assert np.isnan(moe.experts_all_fused(x, w, idx, *moe.fuse_experts_for_all(
+        *[a.at[unused].set(jnp.nan) for a in (w1, w3, w2)]), 6, "situ", 4.0, 25.0)).any()  # the dense form reads them
+
+
+@pytest.mark.parametrize("idx", [[[4, 1], [1, 4], [4, 1]], [[0, 1], [2, 3], [4, 5]]], ids=["few", "most"])
+def test_experts_all_or_used_both_branches(idx):
+    """The run-time choice between the loop over used experts (2 of 6 picked) and the fused pair (all 6 picked)
+    gives the reference either way."""
+    w1, w3, w2 = _experts()
+    x = jax.random.normal(jax.random.key(6), (3, 32))
+    idx = jnp.array(idx, jnp.int32)
+    w = jnp.array([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]])
+    ref = moe.experts_all(x, w, idx, w1, w3, w2, "situ", 4.0, 25.0)
+    w13, w2f = moe.fuse_experts_for_all(w1, w3, w2)
+    got = moe.experts_all_or_used(x, w, idx, w13, moe.fuse_experts_per_expert(w1, w3, w2)[0], w2f, "situ", 4.0, 25.0)
+    np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
 def test_mxfp4_experts_equal_dequantised_dense():
