@@ -37,7 +37,8 @@ import numpy as np
 from flax import nnx
 
 from jdspark.config import DSparkConfig
-from kimi.layers import fuse_projections, project_many
+from kimi.layers import fuse_projections, project_many, weights_to_bf16
+from kimi.ops import linear as linear_ops
 
 f32 = jnp.float32
 _LOSS_REDUCTION_EPS = 1e-5  # speculators losses/utils.py
@@ -145,7 +146,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x):
         k = self.kernel[...]
-        y = jnp.dot(x.astype(k.dtype), k)
+        y = linear_ops.matmul(x if k.dtype == jnp.bfloat16 else x.astype(k.dtype), k)  # bf16: the serving copy
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -899,13 +900,16 @@ __all__ = [
 ]
 
 
-def with_serving_layout(drafter: DSparkDrafter) -> DSparkDrafter:
+def with_serving_layout(drafter: DSparkDrafter, serving_dtype: str = "float32") -> DSparkDrafter:
     """The drafter as a generation serves it, made once inside the generation's program (not once per step): the
     projections that read the same input side by side (``kimi.layers.project_many``: q|k|v and k|v of each layer's
-    attention, gate|up of its MLP). Same weights, same results up to float summation order."""
+    attention, gate|up of its MLP), the matmul weights in ``serving_dtype`` (the target's). Same weights, same
+    results up to float summation order (and bf16 rounding of the matmul inputs)."""
     drafter = nnx.merge(*nnx.split(drafter))
     for layer in drafter.layers:
         fuse_projections(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
         fuse_projections(layer.self_attn, ("k_proj", "v_proj"))
         fuse_projections(layer.mlp, ("gate_proj", "up_proj"))
+    if serving_dtype == "bfloat16":
+        weights_to_bf16(drafter, (Linear,))
     return drafter

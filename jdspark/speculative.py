@@ -163,7 +163,7 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     if _serving_layout_fits(target):
         target = with_serving_layout(target)
-        drafter = drafter_serving_layout(drafter) if drafter is not None else None
+        drafter = drafter_serving_layout(drafter, target.config.serving_dtype) if drafter is not None else None
     cfg = target.config
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0

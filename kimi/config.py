@@ -73,6 +73,9 @@ class KimiConfig:
     # runtime choices
     param_dtype: str = "float32"
     kernels: Literal["xla", "pallas"] = "xla"
+    # the dtype of the serving copy's weights (kimi.model.with_serving_layout): bfloat16 = bf16 matmul inputs with
+    # fp32 accumulation (kimi/ops/linear.py); norms, KDA state, attention, router and logits stay fp32
+    serving_dtype: Literal["float32", "bfloat16"] = "float32"
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
@@ -137,6 +140,8 @@ class KimiConfig:
             bad("kda_prefill", f"expected 'auto', 'chunked' or 'recurrent', got {self.kda_prefill!r}")
         if self.kernels not in ("xla", "pallas"):
             bad("kernels", f"expected 'xla' or 'pallas', got {self.kernels!r}")
+        if self.serving_dtype not in ("float32", "bfloat16"):
+            bad("serving_dtype", f"expected 'float32' or 'bfloat16', got {self.serving_dtype!r}")
         if self.param_dtype not in ("float32", "bfloat16"):
             bad("param_dtype", f"expected 'float32' or 'bfloat16', got {self.param_dtype!r}")
         for f in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -406,7 +411,7 @@ def _hf_to_fields(raw: dict) -> dict:
     out: dict[str, Any] = {}
     for k, v in raw.items():
         k2 = _ALIASES.get(k, k)
-        if k2 in fields and k2 not in ("param_dtype", "kernels", "expert_format"):
+        if k2 in fields and k2 not in ("param_dtype", "kernels", "expert_format", "serving_dtype"):
             out[k2] = v
     if "torch_dtype" in raw or "dtype" in raw:
         dt = str(raw.get("torch_dtype") or raw.get("dtype")).replace("torch.", "")

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from kimi import mxfp4
+from kimi.ops import linear as linear_ops
 from kimi.config import KimiConfig
 from kimi.ops import kda as kda_ops
 from kimi.ops import mla as mla_ops
@@ -52,7 +53,7 @@ def project_many(module, x, names):
     fused = getattr(module, _fused_attr(names), None)
     if fused is None:
         return [_child(module, n)(x) for n in names]
-    y = jnp.dot(x, fused[...].astype(x.dtype))
+    y = linear_ops.matmul(x, fused[...])
     ends = np.cumsum([_child(module, n).kernel.shape[1] for n in names])
     return [y[..., a:b] for a, b in zip((0,) + tuple(ends[:-1]), ends)]
 
@@ -65,6 +66,20 @@ def fuse_projections(module, names):
         return
     kernels = [_child(module, n).kernel[...] for n in names]
     setattr(module, _fused_attr(names), ServingLayout(jnp.concatenate(kernels, axis=1)))
+
+
+def weights_to_bf16(root: nnx.Module, linear_types=None):
+    """A serving copy's matmul weights in bf16 (``KimiConfig.serving_dtype``), in place: the kernel of every
+    Linear (of ``linear_types``, default this module's Linear) and every ``ServingLayout`` (fused and per-expert
+    layouts), which kimi.ops.linear.matmul then multiplies as bf16 products with fp32 accumulation. Embeddings,
+    norms, router, KDA gates and convolution stay fp32."""
+    linear_types = linear_types or (Linear,)
+    for _, module in nnx.iter_modules(root):
+        if isinstance(module, linear_types):
+            module.kernel = nnx.Param(module.kernel[...].astype(jnp.bfloat16))
+        for name, v in list(vars(module).items()):
+            if isinstance(v, ServingLayout):
+                setattr(module, name, ServingLayout(v[...].astype(jnp.bfloat16)))
 
 
 _ABSTRACT = [False]
@@ -100,7 +115,7 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), dtype, std))
 
     def __call__(self, x):
-        return jnp.dot(x, self.kernel[...].astype(x.dtype))
+        return linear_ops.matmul(x, self.kernel[...])
 
 
 class Embed(nnx.Module):
@@ -395,8 +410,8 @@ class RoutedExperts(nnx.Module):
         """(w13 [D, 2EF], w2 [EF, D]) for the 'all' path: the copy made once by ``with_serving_layout`` when
         there is one (which also holds w13 per expert, [E, D, 2F], for the 'used' loop), else rearranged here
         (on every call)."""
-        if hasattr(self, "all_w13_D2EF"):
-            return self.all_w13_D2EF[...].astype(dtype), self.all_w2_EFD[...].astype(dtype)
+        if hasattr(self, "all_w13_D2EF"):  # in the serving dtype, which kimi.ops.linear.matmul reads as is
+            return self.all_w13_D2EF[...], self.all_w2_EFD[...]
         return moe_ops.fuse_experts_for_all(self.weight("w1", None, dtype), self.weight("w3", None, dtype),
                                             self.weight("w2", None, dtype))
 
@@ -418,15 +433,21 @@ class RoutedExperts(nnx.Module):
         if c.kernels == "pallas" and c.expert_format == "mxfp4":  # Pallas kernels on the packed weights
             from kimi.kernels.mxfp4_moe import routed_experts
             return routed_experts(self, z_TD, w_TX, idx_TX, decode=path == "gathered")
+        serving = hasattr(self, "used_w13_ED2F")
+        if path == "gathered" and serving and self.used_w13_ED2F[...].dtype == jnp.bfloat16:
+            # decode on the bf16 serving copy: the verify's loop over the picked experts, so that a row is rounded
+            # at the same points whichever pass computes it
+            w2 = self.all_w2_EFD[...]
+            return moe_ops.experts_used(z_TD, w_TX, idx_TX, self.used_w13_ED2F[...],
+                                        w2.reshape(c.num_experts, -1, w2.shape[-1]), *act)
         if path == "gathered":
             return moe_ops.experts_gathered(z_TD, w_TX, self.weight("w1", idx_TX, z_TD.dtype),
                                             self.weight("w3", idx_TX, z_TD.dtype),
                                             self.weight("w2", idx_TX, z_TD.dtype), *act)
         if path == "all":
             w13, w2 = self.all_layout(z_TD.dtype)
-            if hasattr(self, "used_w13_ED2F"):  # the serving copy: skip the experts no row picked when they are many
-                return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, w13, self.used_w13_ED2F[...].astype(z_TD.dtype),
-                                                   w2, *act)
+            if serving:  # skip the experts no row picked when they are many
+                return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, w13, self.used_w13_ED2F[...], w2, *act)
             return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, w13, w2, c.num_experts, *act)
         if path == "blocked":
             return moe_ops.experts_blocked(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),

@@ -25,7 +25,9 @@ from flax import nnx
 
 from kimi.cache import KimiCache, select_verified
 from kimi.config import KimiConfig
-from kimi.layers import DecoderLayer, Embed, Linear, RMSNorm, attn_res_pseudo_query, attn_res_site
+from kimi.layers import (DecoderLayer, Embed, Linear, RMSNorm, attn_res_pseudo_query, attn_res_site,
+                         weights_to_bf16)
+from kimi.ops import linear as linear_ops
 from kimi.ops.attn_res import attn_res
 
 MODES = ("prefill", "decode", "verify")
@@ -76,7 +78,7 @@ class KimiForCausalLM(nnx.Module):
     def logits_from_hidden(self, h_BTD):
         """lm_head(norm(h)) in fp32."""
         hn = self.model.norm(h_BTD)
-        return jnp.dot(hn.astype(jnp.float32), self.lm_head_DV().astype(jnp.float32))
+        return linear_ops.matmul(hn.astype(jnp.float32), self.lm_head_DV())
 
     # -------------------------------------------------------------------------------------------- cache
     def init_cache(self, batch_size: int = 1, max_len: int = 4096) -> KimiCache:
@@ -261,7 +263,9 @@ def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
     """The model as a generation serves a small model, made once inside the generation's program (not once per
     step): MXFP4 experts dequantised; every expert also in the fused layout of the verify path ('all', see
     ``RoutedExperts.all_layout``) and per expert (the 'used' loop); the projections that read the same input side
-    by side (``project_many``). About three times the experts' bytes. Same weights, same results up to float summation order."""
+    by side (``project_many``); with ``serving_dtype`` bfloat16, every matmul weight in bf16
+    (``kimi.layers.weights_to_bf16``). About three times the experts' bytes. Same weights, same results up to float
+    summation order (and bf16 rounding of the matmul inputs)."""
     from kimi.layers import fuse_projections
 
     model = with_dense_experts(model) if model.config.expert_format == "mxfp4" else nnx.merge(*nnx.split(model))
@@ -272,6 +276,8 @@ def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
             fuse_projections(module, module.input_projections())
         if moe:
             ffn.experts.make_all_layout()
+    if model.config.serving_dtype == "bfloat16":
+        weights_to_bf16(model)
     return model
 
 

@@ -43,7 +43,7 @@ def _pass_seconds(target, drafter, repeats: int = 50) -> dict:
 
     ctx, S = 128, 256
     G = drafter.config.block_size
-    served_t, served_d = with_serving_layout(target), drafter_serving(drafter)
+    served_t, served_d = with_serving_layout(target), drafter_serving(drafter, target.config.serving_dtype)
     gt, st = nnx.split(served_t)
     gd, sd = nnx.split(served_d)
     X = len(drafter.config.aux_hidden_state_layer_ids) * target.config.hidden_size
@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per (prompt, mode), interleaved; the "
                     "fastest counts")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=None,
+                    help="the matmul weights' dtype in both modes (default: generate.DEFAULT_SERVING_DTYPE)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or a.repeats < 1:
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     from jdspark import costmodel, workloads
     from jdspark import data as jdata
 
-    target, drafter, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR)
+    target, drafter, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR, a.serving_dtype or gen.DEFAULT_SERVING_DTYPE)
     print(f"[bench] {note}", file=sys.stderr)
     if drafter is None:
         raise SystemExit("bench: the checkpoint has no drafter/")
@@ -152,7 +154,7 @@ def main(argv=None) -> int:
         sources = {w: workloads.documents(w) for w in a.workloads}
     passes = _pass_seconds(target, drafter)
     result = {"backend": __import__("jax").default_backend(), "checkpoint": note,
-              "block_size": drafter.config.block_size, "workloads": {}}
+              "block_size": drafter.config.block_size, "serving_dtype": target.config.serving_dtype, "workloads": {}}
     for name, docs in sources.items():
         prompts = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed)
         r = run_workload(target, drafter, prompts, a.max_new_tokens, a.repeats)

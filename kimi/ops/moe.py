@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kimi.ops.activations import glu
+from kimi.ops.linear import matmul
 
 
 def route(logits_TE, bias_E, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
@@ -136,11 +137,11 @@ def experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, num_experts: int, ac
     weights are right operands already in the layout a matmul wants: nothing is transposed per call."""
     T, E = x_TD.shape[0], num_experts
     EF = w2_EFD.shape[0]
-    gu_T2EF = jnp.dot(x_TD, w13_D2EF.astype(x_TD.dtype))
+    gu_T2EF = matmul(x_TD, w13_D2EF)
     h_TEF = glu(gu_T2EF[:, :EF], gu_T2EF[:, EF:], act, beta, linear_beta).reshape(T, E, EF // E)
     c_TE = routing_weights_TE(w_TX, idx_TX, E)
     h_TEF = (h_TEF.astype(jnp.float32) * c_TE[:, :, None]).astype(x_TD.dtype)
-    return jnp.dot(h_TEF.reshape(T, EF), w2_EFD.astype(x_TD.dtype))
+    return matmul(h_TEF.reshape(T, EF), w2_EFD)
 
 
 def fuse_experts_per_expert(w1_EFD, w3_EFD, w2_EDF):
@@ -168,10 +169,10 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
 
     def one_expert(i, y_TD):
         e = order_E[i]
-        gu_T2F = jnp.dot(x_TD, w13_ED2F[e].astype(dt))
+        gu_T2F = matmul(x_TD, w13_ED2F[e])
         h_TF = (glu(gu_T2F[:, :F], gu_T2F[:, F:], act, beta, linear_beta).astype(jnp.float32)
                 * c_TE[:, e][:, None]).astype(dt)
-        return y_TD + jnp.dot(h_TF, w2_EFD[e].astype(dt)).astype(jnp.float32)
+        return y_TD + matmul(h_TF, w2_EFD[e]).astype(jnp.float32)
 
     y_TD = jax.lax.fori_loop(0, used_E.sum(), one_expert, jnp.zeros((T, w2_EFD.shape[2]), jnp.float32))
     return y_TD.astype(dt)

@@ -216,3 +216,27 @@ def test_serving_layout_matches_the_checkpoint_model():
     ref = speculative.generate(dense, None, toks[0], max_new_tokens=24, eos_token_id=-1)
     np.testing.assert_array_equal(ar.tokens, ref.tokens)
     np.testing.assert_array_equal(sp.tokens, ref.tokens)
+
+
+def test_bf16_serving_is_lossless_and_close_to_fp32():
+    """serving_dtype bfloat16: the serving copy's matmul weights in bf16 (target and drafter). Greedy DSpark equals
+    plain decoding of the same bf16 serving token for token (decode pads its row, verify runs 8: the same
+    rounding points); the bf16 serving logits stay within bf16 rounding of the fp32 model's."""
+    cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64,
+                               serving_dtype="bfloat16")
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
+    served = kimi.model.with_serving_layout(target)
+    lin = served.model.layers[1].block_sparse_moe.routed_expert_down_proj
+    assert lin.kernel[...].dtype == jnp.bfloat16
+    assert served.model.layers[1].block_sparse_moe.experts.used_w13_ED2F[...].dtype == jnp.bfloat16
+    assert served.model.embed_tokens.embedding[...].dtype == jnp.float32
+    toks = np.arange(3, 12, dtype=np.int32)[None]
+    ref = target.prefill(toks, target.init_cache(1, 16)).logits
+    got = served.prefill(toks, served.init_cache(1, 16)).logits
+    err = float(jnp.max(jnp.abs(got - ref)))
+    assert 0 < err < 0.05 * float(jnp.max(jnp.abs(ref)))  # changed (bf16 really used), but only by rounding
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
+                                    rngs=nnx.Rngs(6))
+    ar = speculative.generate(target, None, toks[0], max_new_tokens=32, eos_token_id=-1)
+    sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)

@@ -7,7 +7,7 @@ from flax import nnx
 
 import kimi
 from kimi import layers
-from kimi.ops import activations, attn_res, mla, moe
+from kimi.ops import activations, attn_res, linear, mla, moe
 
 
 def test_mla_absorbed_equals_unabsorbed():
@@ -172,3 +172,18 @@ def test_situ_formula():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(activations.situ_glu(g, u, None, None), np.tanh(g) / (1 + np.exp(-g)) * u,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_matmul_bf16_weights_round_inputs_and_accumulate_in_fp32(rows):
+    """kimi.ops.linear.matmul: fp32 weights give the fp32 product; bf16 weights give bf16(x) @ W accumulated in
+    fp32 (padded rows do not leak into the result), for x @ W and x @ W^T."""
+    x = jax.random.normal(jax.random.key(0), (1, rows, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 48))
+    np.testing.assert_allclose(linear.matmul(x, w), np.einsum("btk,kn->btn", x, w), rtol=1e-5, atol=1e-5)
+    wb = w.astype(jnp.bfloat16)
+    ref = np.einsum("btk,kn->btn", np.asarray(x.astype(jnp.bfloat16), np.float64), np.asarray(wb, np.float64))
+    for got in (linear.matmul(x, wb), linear.matmul(x, wb.T, w_transposed=True)):
+        assert got.dtype == jnp.float32 and got.shape == (1, rows, 48)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
+    assert np.abs(np.asarray(linear.matmul(x, wb)) - np.einsum("btk,kn->btn", x, w)).max() > 1e-3  # bf16 used

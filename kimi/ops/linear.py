@@ -1,0 +1,33 @@
+"""Weight matmuls: y = x @ W (or x @ W^T), the one place that decides how a stored weight is multiplied.
+
+  float32 W:  the fp32 product (the checkpoint's numerics; parity and training).
+  bfloat16 W with fp32 x (the serving copy in bf16, ``KimiConfig.serving_dtype``):
+      y = float32( bf16(x) @ W )      inputs rounded to bf16, fp32 accumulation (``preferred_element_type``);
+      the result in x's dtype. A bf16 product reads half the bytes and, on CPUs with AVX512-BF16, runs the matrix
+      unit at twice the fp32 rate: on this project's 2-core CPU a verify block's matmuls take about half the time.
+      A single row is zero-padded to ``BF16_ROWS_MIN``: XLA:CPU's bf16 matrix-vector path is ~2.4x slower than
+      its fp32 one, while 2 padded rows cost about one fp32 matrix-vector product. Decode (1 row) and a verify
+      block (8 rows) round a row at the same points, so they differ only in fp32 accumulation order, as the fp32
+      passes do (greedy speculative decoding stays token-for-token equal to plain decoding).
+  bfloat16 W with bf16 x (a bf16 model): the bf16 product, as jnp.dot gives it.
+"""
+
+import jax
+import jax.numpy as jnp
+
+BF16_ROWS_MIN = 2
+
+
+def matmul(x_MK, w, *, w_transposed: bool = False):
+    """x [..., K] @ w ([K, N], or [N, K] with ``w_transposed``) -> [..., N]; see the module docstring."""
+    contract = (((x_MK.ndim - 1,), (1 if w_transposed else 0,)), ((), ()))
+    if w.dtype != jnp.bfloat16 or x_MK.dtype == jnp.bfloat16:
+        return jax.lax.dot_general(x_MK, w.astype(x_MK.dtype), contract)
+    lead, K = x_MK.shape[:-1], x_MK.shape[-1]
+    x2 = x_MK.reshape(-1, K)
+    M = x2.shape[0]
+    if M < BF16_ROWS_MIN:
+        x2 = jnp.pad(x2, ((0, BF16_ROWS_MIN - M), (0, 0)))
+    y = jax.lax.dot_general(x2.astype(jnp.bfloat16), w, (((1,), (1 if w_transposed else 0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y[:M].reshape(lead + (y.shape[-1],)).astype(x_MK.dtype)
