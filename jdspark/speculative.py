@@ -199,16 +199,21 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     def spec_step(st: _Loop) -> _Loop:
         key, k_draft, k_acc = jax.random.split(st.key, 3)
         n = st.cache.length  # [1]
-        drafts_G, logq_GV, n_verify = _draft_block(drafter, st.dcache, st.anchor, n, embed_VD, lm_head_DV,
-                                                   k_draft, sp, threshold)
+        with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
+            drafts_G, logq_GV, n_verify = _draft_block(drafter, st.dcache, st.anchor, n, embed_VD, lm_head_DV,
+                                                       k_draft, sp, threshold)
         block = jnp.concatenate([st.anchor, drafts_G])[None]  # [1, G+1]
-        ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
-        if sp.greedy:
-            m, nxt = accept_greedy(drafts_G, ver.logits[0], n_verify)
-        else:
-            m, nxt = accept_rejection(k_acc, drafts_G, logq_GV, ver.logits[0], n_verify, sp)
-        cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
-        dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
+        with jax.named_scope("verify"):
+            ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
+        with jax.named_scope("accept"):
+            if sp.greedy:
+                m, nxt = accept_greedy(drafts_G, ver.logits[0], n_verify)
+            else:
+                m, nxt = accept_rejection(k_acc, drafts_G, logq_GV, ver.logits[0], n_verify, sp)
+        with jax.named_scope("commit"):
+            cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
+        with jax.named_scope("append_context"):
+            dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
         new = jnp.concatenate([drafts_G, jnp.zeros((1,), jnp.int32)])
         new = new.at[m].set(nxt)
         o, n_out, done = _emit(st, new, m + 1, eos_id, max_new, stream)

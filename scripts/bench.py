@@ -119,7 +119,7 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3) -> di
             "spec_tok_s": n_new / sp_dec, "speedup": ar_dec / sp_dec, "accept_len": (accepted + steps) / steps,
             "per_position_accept": (counts / steps).tolist(), "greedy_mismatches": mismatches,
             "e2e_ar_tok_s": total / t["ar"], "e2e_spec_tok_s": total / t["spec"], "e2e_speedup": t["ar"] / t["spec"],
-            "ar_step_s": ar_dec / n_new}
+            "loop_step_over_decode_step": (sp_dec / steps) / (ar_dec / n_new), "ar_step_s": ar_dec / n_new}
 
 
 def main(argv=None) -> int:
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
         print(f"[bench] {name:10s} accept_len {r['accept_len']:.2f}  AR {r['ar_tok_s']:.1f} tok/s  "
               f"DSpark {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
               f"(cost model {r['predicted_speedup']:.2f}x with the measured verify = {r['v_verify_over_step']:.2f} "
-              f"decode steps; {r['predicted_speedup_verify_as_one_step']:.2f}x if a verify cost one step)",
+              f"decode steps; {r['predicted_speedup_verify_as_one_step']:.2f}x if a verify cost one step; a whole "
+              f"DSpark step costs {r['loop_step_over_decode_step']:.2f} decode steps in the loop)",
               file=sys.stderr)
     top = result["workloads"]["corpus" if a.corpus else ("code" if "code" in sources else next(iter(sources)))]
     for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "per_position_accept", "predicted_speedup"):
