@@ -12,3 +12,19 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 jax.config.update("jax_compilation_cache_dir", os.path.join(_ROOT, ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+import gc  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test module's compiled programs when it ends. Every XLA:CPU executable holds memory mappings of
+    its JIT-compiled code; one process running the whole suite kept ~65k of them alive and crossed Linux's
+    vm.max_map_count (65530), which XLA meets as a segfault while compiling. The persistent compilation cache
+    keeps recompiles across modules cheap."""
+    yield
+    jax.clear_caches()
+    gc.collect()
