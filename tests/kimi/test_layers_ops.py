@@ -98,8 +98,10 @@ def test_moe_paths_agree(act):
     np.testing.assert_allclose(b, ref, atol=1e-5)
 
 
-def test_experts_used_reads_only_the_routed_experts():
-    """experts_used skips every expert no row picked: NaN weights there leave the result untouched."""
+@pytest.mark.parametrize("unroll_max", [32, 0], ids=["cond-per-expert", "loop"])
+def test_experts_used_reads_only_the_routed_experts(unroll_max, monkeypatch):
+    """experts_used skips every expert no row picked (both forms): NaN weights there leave the result untouched."""
+    monkeypatch.setattr(moe, "USED_UNROLL_MAX_EXPERTS", unroll_max)
     w1, w3, w2 = _experts()
     x = jax.random.normal(jax.random.key(5), (5, 32))
     idx = jnp.array([[4, 1], [1, 4], [4, 1], [1, 4], [1, 4]], jnp.int32)
