@@ -14,9 +14,9 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
   all:      every row through every expert, combined with the routing weights; for a few rows that touch most
             experts anyway (a verify block on a small model). Two matmuls on a fused layout of the weights
             (fuse_experts_for_all), which serving builds once per generation.
-  used:     only the experts some row picked, each on every row, in a loop whose trip count comes from the routing
-            (experts_used); serving's verify takes it over 'all' when the rows pick few experts
-            (experts_all_or_used), as a block of similar tokens does.
+  used:     only the experts some row picked, each on every row, the others skipped at run time (experts_used);
+            serving's verify takes it over 'all' when the rows pick few experts (experts_all_or_used), as a block
+            of similar tokens does, and its bf16 decode takes it too.
   blocked:  sorted by expert, each expert's rows padded to a multiple of a block, one batched matmul per block
             (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU).
 kimi.layers.moe_dispatch picks one from static shapes.
@@ -111,6 +111,11 @@ def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=N
     return out[:T].astype(dt)
 
 
+def experts_picked_E(idx_TX, num_experts: int):
+    """[E] bool: whether any row routes to expert e."""
+    return jnp.zeros((num_experts,), jnp.bool_).at[idx_TX.reshape(-1)].set(True)
+
+
 def routing_weights_TE(w_TX, idx_TX, num_experts: int):
     """c [T, E]: row t's routing weight for expert e (the sum over its slots that picked e; 0 when unrouted)."""
     T = idx_TX.shape[0]
@@ -171,7 +176,7 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
     F = w2_EFD.shape[1]
     dt = x_TD.dtype
     c_TE = routing_weights_TE(w_TX, idx_TX, E)
-    used_E = jnp.zeros((E,), jnp.bool_).at[idx_TX.reshape(-1)].set(True)
+    used_E = experts_picked_E(idx_TX, E)
 
     def add_expert(y_TD, w13_D2F, w2_FD, c_T):
         gu_T2F = matmul(x_TD, w13_D2F)
@@ -202,7 +207,7 @@ def experts_all_or_used(x_TD, w_TX, idx_TX, w13_D2EF, w13_ED2F, w2_EFD, act: str
     ``USED_LOOP_MAX_FRACTION`` of the experts, else :func:`experts_all_fused` (a branch taken at run time on the
     routing). ``w13_D2EF`` and ``w13_ED2F`` hold the same weights in the two layouts; ``w2 [E*F, D]`` serves both."""
     E, _, F2 = w13_ED2F.shape
-    n_used = jnp.zeros((E,), jnp.bool_).at[idx_TX.reshape(-1)].set(True).sum()
+    n_used = experts_picked_E(idx_TX, E).sum()
     return jax.lax.cond(
         n_used <= int(E * USED_LOOP_MAX_FRACTION),
         lambda: experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD.reshape(E, F2 // 2, -1), act, beta, linear_beta),
