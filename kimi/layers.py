@@ -17,9 +17,9 @@ import numpy as np
 from flax import nnx
 
 from kimi import mxfp4
-from kimi.ops import linear as linear_ops
 from kimi.config import KimiConfig
 from kimi.ops import kda as kda_ops
+from kimi.ops import linear as linear_ops
 from kimi.ops import mla as mla_ops
 from kimi.ops import moe as moe_ops
 from kimi.ops.activations import glu
@@ -357,16 +357,20 @@ class Router(nnx.Module):
         return jnp.dot(x_TD.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
 
 
-def moe_dispatch(rows: int, top_k: int, num_experts: int) -> str:
-    """The one place that picks how routed experts run, from static shapes:
+def moe_dispatch(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str:
+    """The one place that picks how routed experts run, from static shapes and ``serving_dtype`` (the dtype of the
+    serving copy's expert layouts when ``with_serving_layout`` made them, else None):
     'gathered' when the rows route to fewer slots than there are experts (decode, small verifies): only the routed
-    experts' weights are read; 'all' when every expert is likely touched anyway and the rows are few (a verify
-    block on a small model): each expert once, no sort; 'grouped' otherwise (prefill and training): sort by expert
-    and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded batched matmuls: no dense ragged_dot)."""
+    experts' weights are read; on the bf16 serving copy 'used' instead (the verify's per-expert loop, so a row is
+    rounded at the same points whichever pass computes it); 'all' when every expert is likely touched anyway and
+    the rows are few (a verify block on a small model): each expert once, no sort; 'all_or_used' for those rows on
+    the serving copy (the picked experts only, when they are few; decided at run time); 'grouped' otherwise
+    (prefill and training): sort by expert and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded
+    batched matmuls: no dense ragged_dot)."""
     if rows * top_k < num_experts:
-        return "gathered"
+        return "used" if serving_dtype == jnp.bfloat16 else "gathered"
     if rows <= 16:
-        return "all"
+        return "all" if serving_dtype is None else "all_or_used"
     if jax.default_backend() == "cpu":  # XLA:CPU's ragged_dot runs every row against every group (rows*top_k*E)
         return "blocked"
     return "grouped"
@@ -429,14 +433,12 @@ class RoutedExperts(nnx.Module):
         c = self.cfg
         T, X = idx_TX.shape
         act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
-        path = moe_dispatch(T, X, c.num_experts)
+        serving_dtype = self.used_w13_ED2F[...].dtype if hasattr(self, "used_w13_ED2F") else None
+        path = moe_dispatch(T, X, c.num_experts, serving_dtype)
         if c.kernels == "pallas" and c.expert_format == "mxfp4":  # Pallas kernels on the packed weights
             from kimi.kernels.mxfp4_moe import routed_experts
-            return routed_experts(self, z_TD, w_TX, idx_TX, decode=path == "gathered")
-        serving = hasattr(self, "used_w13_ED2F")
-        if path == "gathered" and serving and self.used_w13_ED2F[...].dtype == jnp.bfloat16:
-            # decode on the bf16 serving copy: the verify's loop over the picked experts, so that a row is rounded
-            # at the same points whichever pass computes it
+            return routed_experts(self, z_TD, w_TX, idx_TX, decode=path in ("gathered", "used"))
+        if path == "used":
             w2 = self.all_w2_EFD[...]
             return moe_ops.experts_used(z_TD, w_TX, idx_TX, self.used_w13_ED2F[...],
                                         w2.reshape(c.num_experts, -1, w2.shape[-1]), *act)
@@ -444,11 +446,11 @@ class RoutedExperts(nnx.Module):
             return moe_ops.experts_gathered(z_TD, w_TX, self.weight("w1", idx_TX, z_TD.dtype),
                                             self.weight("w3", idx_TX, z_TD.dtype),
                                             self.weight("w2", idx_TX, z_TD.dtype), *act)
+        if path == "all_or_used":
+            return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, self.all_w13_D2EF[...], self.used_w13_ED2F[...],
+                                               self.all_w2_EFD[...], *act)
         if path == "all":
-            w13, w2 = self.all_layout(z_TD.dtype)
-            if serving:  # skip the experts no row picked when they are many
-                return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, w13, self.used_w13_ED2F[...], w2, *act)
-            return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, w13, w2, c.num_experts, *act)
+            return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, *self.all_layout(z_TD.dtype), c.num_experts, *act)
         if path == "blocked":
             return moe_ops.experts_blocked(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                            self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype),

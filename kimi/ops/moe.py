@@ -19,7 +19,7 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
             of similar tokens does, and its bf16 decode takes it too.
   blocked:  sorted by expert, each expert's rows padded to a multiple of a block, one batched matmul per block
             (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU).
-kimi.layers.moe_dispatch picks one from static shapes.
+kimi.layers.moe_dispatch picks one from static shapes (and whether a serving copy exists).
 """
 
 import jax
