@@ -342,7 +342,11 @@ class DSparkDrafter(nnx.Module):
 
     @property
     def dtype(self):
-        return self.fc.kernel.dtype
+        """The activation (and context cache) dtype: the parameters' dtype as built. Read from a norm, which the
+        bf16 serving copy (``with_serving_layout``) leaves as it is: its bf16 matmul weights still take and give
+        fp32 activations (kimi/ops/linear.py), and a bf16 cache would cost XLA:CPU a convert of the whole cache on
+        every append."""
+        return self.norm.scale.dtype
 
     # ------------------------------------------------------------------ shared pieces
     def context(self, taps_BTX):

@@ -420,11 +420,28 @@ class RoutedExperts(nnx.Module):
                                             self.weight("w2", None, dtype))
 
     def make_all_layout(self):
-        """Attach the layouts of the 'all' and 'used' paths (``ServingLayout`` variables), from the dense weights."""
+        """Attach the layouts of the 'all' and 'used' paths (``ServingLayout`` variables), from the dense weights:
+        the fused pair, and each expert's [W1^T | W3^T] and W2^T as arrays of their own (``used_w13_D2F_{e}``,
+        ``used_w2_FD_{e}``) up to ``USED_UNROLL_MAX_EXPERTS`` experts, else stacked (``used_w13_ED2F``,
+        ``used_w2_EFD``) for the loop (see ``kimi.ops.moe.experts_used``)."""
         dense = [self.weight(n, None, self.cfg.dtype) for n in ("w1", "w3", "w2")]
         w13, w2 = moe_ops.fuse_experts_for_all(*dense)
         self.all_w13_D2EF, self.all_w2_EFD = ServingLayout(w13), ServingLayout(w2)
-        self.used_w13_ED2F = ServingLayout(moe_ops.fuse_experts_per_expert(*dense)[0])  # w2: all_w2_EFD reshaped
+        w13_ED2F, w2_EFD = moe_ops.fuse_experts_per_expert(*dense)
+        if self.cfg.num_experts <= moe_ops.USED_UNROLL_MAX_EXPERTS:
+            for e in range(self.cfg.num_experts):
+                setattr(self, f"used_w13_D2F_{e}", ServingLayout(w13_ED2F[e]))
+                setattr(self, f"used_w2_FD_{e}", ServingLayout(w2_EFD[e]))
+        else:
+            self.used_w13_ED2F, self.used_w2_EFD = ServingLayout(w13_ED2F), ServingLayout(w2_EFD)
+
+    def used_layout(self):
+        """(w13, w2) of the 'used' path as ``make_all_layout`` stored them: tuples of per-expert arrays, or stacked."""
+        if hasattr(self, "used_w13_ED2F"):
+            return self.used_w13_ED2F[...], self.used_w2_EFD[...]
+        E = self.cfg.num_experts
+        return (tuple(getattr(self, f"used_w13_D2F_{e}")[...] for e in range(E)),
+                tuple(getattr(self, f"used_w2_FD_{e}")[...] for e in range(E)))
 
     def __call__(self, z_TD, w_TX, idx_TX):
         ep = getattr(self, "expert_parallel", None)  # set by sharding.shard_model: experts under jax.shard_map
@@ -433,22 +450,20 @@ class RoutedExperts(nnx.Module):
         c = self.cfg
         T, X = idx_TX.shape
         act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
-        serving_dtype = self.used_w13_ED2F[...].dtype if hasattr(self, "used_w13_ED2F") else None
+        serving_dtype = self.all_w13_D2EF[...].dtype if hasattr(self, "all_w13_D2EF") else None
         path = moe_dispatch(T, X, c.num_experts, serving_dtype)
         if c.kernels == "pallas" and c.expert_format == "mxfp4":  # Pallas kernels on the packed weights
             from kimi.kernels.mxfp4_moe import routed_experts
             return routed_experts(self, z_TD, w_TX, idx_TX, decode=path in ("gathered", "used"))
         if path == "used":
-            w2 = self.all_w2_EFD[...]
-            return moe_ops.experts_used(z_TD, w_TX, idx_TX, self.used_w13_ED2F[...],
-                                        w2.reshape(c.num_experts, -1, w2.shape[-1]), *act)
+            return moe_ops.experts_used(z_TD, w_TX, idx_TX, *self.used_layout(), *act)
         if path == "gathered":
             return moe_ops.experts_gathered(z_TD, w_TX, self.weight("w1", idx_TX, z_TD.dtype),
                                             self.weight("w3", idx_TX, z_TD.dtype),
                                             self.weight("w2", idx_TX, z_TD.dtype), *act)
         if path == "all_or_used":
-            return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, self.all_w13_D2EF[...], self.used_w13_ED2F[...],
-                                               self.all_w2_EFD[...], *act)
+            return moe_ops.experts_all_or_used(z_TD, w_TX, idx_TX, self.all_w13_D2EF[...], self.all_w2_EFD[...],
+                                               *self.used_layout(), *act)
         if path == "all":
             return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, *self.all_layout(z_TD.dtype), c.num_experts, *act)
         if path == "blocked":

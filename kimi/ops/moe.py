@@ -156,8 +156,8 @@ def fuse_experts_per_expert(w1_EFD, w3_EFD, w2_EDF):
             jnp.swapaxes(w2_EDF, 1, 2))
 
 
-# experts_used with at most this many experts: one lax.cond per expert on a static slice of the weights. A loop's
-# dynamic slice of bf16 weights is upcast to fp32 by XLA:CPU on every step; static slices keep the bf16 products
+# experts_used with at most this many experts: one lax.cond per expert, each on its own weight arrays. A loop's
+# dynamic slice of bf16 weights is upcast to fp32 by XLA:CPU on every step; per-expert arrays keep the bf16 products
 # (measured on the shipped pair: plain decoding ~10% faster, a DSpark step ~3%). More experts: the loop.
 USED_UNROLL_MAX_EXPERTS = 32
 
@@ -171,9 +171,13 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
     ``fori_loop`` whose trip count |U| is read from the routing), so their weights are never read. The same sum as
     :func:`experts_all_fused` (rows not routed to e get c = 0), expert by expert. For a few rows whose routing
     concentrates (a verify block on a model whose router sends a block's tokens to a few experts), its cost is |U|
-    experts' weights instead of E."""
-    T, E = x_TD.shape[0], w13_ED2F.shape[0]
-    F = w2_EFD.shape[1]
+    experts' weights instead of E.
+
+    ``w13_ED2F`` / ``w2_EFD``: stacked ([E, D, 2F] / [E, F, D], :func:`fuse_experts_per_expert`), or sequences of E
+    per-expert arrays, as the serving copy keeps them: XLA:CPU materialises a static slice of a stacked array (a
+    copy, through fp32 for bf16) for every expert's cond, picked or not, which costs more than the experts skipped."""
+    T, E = x_TD.shape[0], len(w13_ED2F)
+    F = w2_EFD[0].shape[0]
     dt = x_TD.dtype
     c_TE = routing_weights_TE(w_TX, idx_TX, E)
     used_E = experts_picked_E(idx_TX, E)
@@ -184,11 +188,12 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
                 * c_T[:, None]).astype(dt)
         return y_TD + matmul(h_TF, w2_FD).astype(jnp.float32)
 
-    y_TD = jnp.zeros((T, w2_EFD.shape[2]), jnp.float32)
+    y_TD = jnp.zeros((T, w2_EFD[0].shape[-1]), jnp.float32)
     if E <= USED_UNROLL_MAX_EXPERTS:
         for e in range(E):
             y_TD = jax.lax.cond(used_E[e], add_expert, lambda y, *_: y, y_TD, w13_ED2F[e], w2_EFD[e], c_TE[:, e])
     else:
+        w13_ED2F, w2_EFD = jnp.asarray(w13_ED2F), jnp.asarray(w2_EFD)
         order_E = jnp.argsort(~used_E, stable=True)  # the used experts first, ascending
         y_TD = jax.lax.fori_loop(0, used_E.sum(), lambda i, y: add_expert(y, w13_ED2F[order_E[i]],
                                                                           w2_EFD[order_E[i]], c_TE[:, order_E[i]]),
@@ -202,15 +207,17 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
 USED_LOOP_MAX_FRACTION = 0.5
 
 
-def experts_all_or_used(x_TD, w_TX, idx_TX, w13_D2EF, w13_ED2F, w2_EFD, act: str, beta=None, linear_beta=None):
+def experts_all_or_used(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, w13_ED2F, w2_per_EFD, act: str, beta=None,
+                        linear_beta=None):
     """The verify path of a small model: :func:`experts_used` when the rows pick at most
     ``USED_LOOP_MAX_FRACTION`` of the experts, else :func:`experts_all_fused` (a branch taken at run time on the
-    routing). ``w13_D2EF`` and ``w13_ED2F`` hold the same weights in the two layouts; ``w2 [E*F, D]`` serves both."""
-    E, _, F2 = w13_ED2F.shape
+    routing). The same weights in the two layouts: ``w13 [D, 2EF]`` and ``w2 [EF, D]`` for the fused pair,
+    ``w13_ED2F`` and ``w2_per_EFD`` per expert (stacked or sequences, as :func:`experts_used` takes them)."""
+    E = len(w13_ED2F)
     n_used = experts_picked_E(idx_TX, E).sum()
     return jax.lax.cond(
         n_used <= int(E * USED_LOOP_MAX_FRACTION),
-        lambda: experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD.reshape(E, F2 // 2, -1), act, beta, linear_beta),
+        lambda: experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_per_EFD, act, beta, linear_beta),
         lambda: experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, E, act, beta, linear_beta))
 
 

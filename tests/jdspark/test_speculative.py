@@ -205,7 +205,8 @@ def test_serving_layout_matches_the_checkpoint_model():
     assert dense.config.expert_format == "dense"
     ex = dense.model.layers[1].block_sparse_moe.experts
     assert isinstance(ex.all_w13_D2EF, kimi.layers.ServingLayout)
-    assert isinstance(ex.used_w13_ED2F, kimi.layers.ServingLayout)
+    assert isinstance(ex.used_w13_D2F_0, kimi.layers.ServingLayout)  # per expert, an array of its own
+    assert len(ex.used_layout()[0]) == cfg.num_experts
     toks = np.arange(3, 12, dtype=np.int32)[None]
     np.testing.assert_allclose(target.prefill(toks, target.init_cache(1, 16)).logits,
                                dense.prefill(toks, dense.init_cache(1, 16)).logits, atol=2e-6, rtol=0)
@@ -228,7 +229,7 @@ def test_bf16_serving_is_lossless_and_close_to_fp32():
     served = kimi.model.with_serving_layout(target)
     lin = served.model.layers[1].block_sparse_moe.routed_expert_down_proj
     assert lin.kernel[...].dtype == jnp.bfloat16
-    assert served.model.layers[1].block_sparse_moe.experts.used_w13_ED2F[...].dtype == jnp.bfloat16
+    assert served.model.layers[1].block_sparse_moe.experts.used_layout()[0][0].dtype == jnp.bfloat16
     assert served.model.embed_tokens.embedding[...].dtype == jnp.float32
     toks = np.arange(3, 12, dtype=np.int32)[None]
     ref = target.prefill(toks, target.init_cache(1, 16)).logits
@@ -237,6 +238,9 @@ def test_bf16_serving_is_lossless_and_close_to_fp32():
     assert 0 < err < 0.05 * float(jnp.max(jnp.abs(ref)))  # changed (bf16 really used), but only by rounding
     drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
                                     rngs=nnx.Rngs(6))
+    served_d = jdspark.drafter.with_serving_layout(drafter, "bfloat16")
+    assert served_d.fc.kernel[...].dtype == jnp.bfloat16
+    assert served_d.dtype == jnp.float32 and served_d.init_cache(1, 8).k.dtype == jnp.float32  # fp32 activations
     ar = speculative.generate(target, None, toks[0], max_new_tokens=32, eos_token_id=-1)
     sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)

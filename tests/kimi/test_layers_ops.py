@@ -91,9 +91,12 @@ def test_moe_paths_agree(act):
     g = moe.experts_grouped(x, w, idx, w1, w3, w2, act, 4.0, 25.0)
     ga = moe.experts_gathered(x, w, w1[idx], w3[idx], w2[idx], act, 4.0, 25.0)
     b = moe.experts_blocked(x, w, idx, w1, w3, w2, act, 4.0, 25.0, block=4)
-    u = moe.experts_used(x, w, idx, *moe.fuse_experts_per_expert(w1, w3, w2), act, 4.0, 25.0)
+    w13_ED2F, w2_EFD = moe.fuse_experts_per_expert(w1, w3, w2)
+    u = moe.experts_used(x, w, idx, w13_ED2F, w2_EFD, act, 4.0, 25.0)
+    u_seq = moe.experts_used(x, w, idx, tuple(w13_ED2F), tuple(w2_EFD), act, 4.0, 25.0)  # per-expert arrays
     np.testing.assert_allclose(g, ref, atol=1e-5)
     np.testing.assert_allclose(u, ref, atol=1e-5)
+    np.testing.assert_array_equal(u_seq, u)
     np.testing.assert_allclose(ga, ref, atol=1e-5)
     np.testing.assert_allclose(b, ref, atol=1e-5)
 
@@ -124,7 +127,8 @@ def test_experts_all_or_used_both_branches(idx):
     w = jnp.array([[0.7, 0.3], [0.4, 0.6], [0.5, 0.5]])
     ref = moe.experts_all(x, w, idx, w1, w3, w2, "situ", 4.0, 25.0)
     w13, w2f = moe.fuse_experts_for_all(w1, w3, w2)
-    got = moe.experts_all_or_used(x, w, idx, w13, moe.fuse_experts_per_expert(w1, w3, w2)[0], w2f, "situ", 4.0, 25.0)
+    per_expert = [tuple(a) for a in moe.fuse_experts_per_expert(w1, w3, w2)]
+    got = moe.experts_all_or_used(x, w, idx, w13, w2f, *per_expert, "situ", 4.0, 25.0)
     np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
