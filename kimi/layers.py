@@ -412,8 +412,8 @@ class RoutedExperts(nnx.Module):
 
     def all_layout(self, dtype):
         """(w13 [D, 2EF], w2 [EF, D]) for the 'all' path: the copy made once by ``with_serving_layout`` when
-        there is one (which also holds w13 per expert, [E, D, 2F], for the 'used' loop), else rearranged here
-        (on every call)."""
+        there is one (``make_all_layout``, which also lays the experts out one by one for the 'used' path), else
+        rearranged here (on every call)."""
         if hasattr(self, "all_w13_D2EF"):  # in the serving dtype, which kimi.ops.linear.matmul reads as is
             return self.all_w13_D2EF[...], self.all_w2_EFD[...]
         return moe_ops.fuse_experts_for_all(self.weight("w1", None, dtype), self.weight("w3", None, dtype),

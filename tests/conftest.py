@@ -1,5 +1,8 @@
 """Test setup: 16 simulated CPU devices and the persistent compilation cache, before JAX starts."""
+import gc
 import os
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -12,11 +15,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 jax.config.update("jax_compilation_cache_dir", os.path.join(_ROOT, ".jax_cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-import gc  # noqa: E402
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
