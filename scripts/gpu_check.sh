@@ -4,11 +4,14 @@
 #   1. tests/kimi/test_kernels_pallas.py on the GPU: the same tests that run in interpret mode on CPU, here with the
 #      kernels compiled through the Pallas Triton backend (timeout 300 s);
 #   2. scripts/bench_kernels.py --json at K3 decode shapes: bytes per call, GB/s, % of the measured copy bandwidth,
-#      speedup over the XLA reference (timeout 240 s).
+#      speedup over the XLA reference, for the default launch choices and a sweep of variants (MXFP4 decode:
+#      "bits" vs "ptx" dequantisation x tiles x warps; KDA: warps); timeout 240 s.
 #
 # Stated timeout: the whole script ends within 560 s; run it with the device tool as
 #     run(command="bash scripts/gpu_check.sh", timeout_s=600)
-# and read $OUT/bench_kernels.json, $OUT/gpu_tests.log and $OUT/env.txt. Acceptance (issue 7): MXFP4 MoE decode
+# and read $OUT/bench_kernels.json (bench_progress.log if it timed out), $OUT/gpu_tests.log and $OUT/env.txt.
+# If a variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or kda_fused_step's
+# num_warps), rerun, and record the default's figures. Acceptance (issue 7): MXFP4 MoE decode
 # >= 60 % of copy bandwidth and >= 1.5x the XLA reference; KDA decode >= 50 % of copy bandwidth.
 #
 # It uses the machine image's python3 (JAX 0.11.x with CUDA, flax, pytest; the repo's .venv holds a CPU-only
@@ -18,7 +21,9 @@ cd "$(dirname "$0")/.."
 PY="${PY:-python3}"
 OUT="${OUT:-$PWD/gpu_check_out}"
 mkdir -p "$OUT"
-export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# GPU_CHECK_PLATFORM=cpu BENCH_ARGS="--speed --small --iters 2 --repeats 1" PY=.venv/bin/python: a dry run of this
+# script's plumbing on a machine without a GPU (interpret mode)
+export JAX_PLATFORMS="${GPU_CHECK_PLATFORM:-cuda}" PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
@@ -27,7 +32,30 @@ export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYT
 
 rc=0
 # fp32 XLA references in the tests must not drop to TF32 (the comparisons are at 1e-5)
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 "$PY" -m pytest -q -p no:cacheprovider --durations=10 \
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 "$PY" -m pytest -p no:cacheprovider --durations=10 \
   tests/kimi/test_kernels_pallas.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
-timeout 240 "$PY" scripts/bench_kernels.py --json 2>&1 | tee "$OUT/bench_kernels.json" || rc=1
+# stdout: the one JSON line; stderr: a line per timed variant as it finishes (kept if the time-out hits)
+timeout 240 "$PY" scripts/bench_kernels.py --json ${BENCH_ARGS:-} 2> >(tee "$OUT/bench_progress.log" >&2) \
+  | tee "$OUT/bench_kernels.json" || rc=1
+# the reply carries only the end of the output: a short table of the figures that decide issue 7
+"$PY" - "$OUT/bench_kernels.json" <<'PYEOF' || rc=1
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+print(f"copy bandwidth {r['copy_bw_GBps']} GB/s on {r.get('device')} (jax {r.get('jax')})")
+print(f"{'kernel':<12} {'which':<8} {'variant':<22} {'us':>8} {'%copy':>6} {'x XLA':>6} {'max_err':>9}")
+for name in ("mxfp4_moe", "kda_decode", "kda_verify8"):
+    k = r.get(name, {})
+    if "error" in k:
+        print(f"{name:<12} ERROR {k['error'][:100]}")
+        continue
+    for which, row in (("default", k), ("best", k.get("best") or {})):
+        if "time_us" not in row:
+            continue
+        var = ",".join(f"{f}={row[f]}" for f in ("dequant", "tn", "tk", "num_warps") if f in row)
+        print(f"{name:<12} {which:<8} {var:<22} {row['time_us']:>8} {row['pct_copy_bw']:>6} "
+              f"{row['speedup_vs_xla']:>6} {row['max_abs_err']:>9.2e}")
+    bad = [v for v in k.get("variants", []) if "error" in v]
+    for v in bad:
+        print(f"{name:<12} failed   {v}"[:200])
+PYEOF
 exit $rc

@@ -11,6 +11,18 @@ nibbles of byte j are input columns 2j and 2j+1, so instead of interleaving them
 split into even and odd columns outside (``x[:, 0::2]``, ``x[:, 1::2]``; activations are tiny next to weights) and
 ``x W^T = x_even W_lo^T + x_odd W_hi^T``. K tiles are multiples of 32, so a tile holds whole scale blocks.
 
+Two ways to dequantise in the decode kernel (``dequant=``; ``DECODE_TUNING`` holds the default):
+
+* ``"bits"``: the float16 placement above in plain jnp ops (portable; ~21 element ops per packed byte in the
+  lowered Triton IR, ~14 of them integer ops, which run at half the FP32 rate on Hopper: an ALU ceiling near 40 %
+  of H200 copy bandwidth by that count);
+* ``"ptx"``: inline PTX (:data:`E2M1X4_PTX`) that turns 4 packed bytes into 4 bf16 values (low or high nibbles)
+  with two ``prmt`` byte spreads, shifts and masks into bf16 bit positions and one ``fma.rn.bf16x2`` by
+  ``2**126`` per pair (that multiply normalises the subnormal code 1 exactly): 3.5 ops per value, then a
+  bf16 -> fp32 widening. On CPU
+  (interpret mode) the same per-byte function runs as jnp; ``tests/kimi/test_kernels_pallas.py`` runs the PTX text
+  itself through a small interpreter on every byte value.
+
 Two kernels, both ``pl.pallas_call`` over a grid, with the expert read from a routing array *inside* the body
 (``w_ref[e, pl.ds(n0, tn), pl.ds(k0, tk/2)]``): Triton has no scalar prefetch, and a dynamic load is the same
 thing on a GPU; only the routed experts' bytes are ever touched.
@@ -32,6 +44,7 @@ thing on a GPU; only the routed experts' bytes are ever touched.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -39,6 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from kimi import mxfp4
 from kimi.kernels.common import compiler_params, pick_block, use_interpret
@@ -65,15 +79,60 @@ def _e8m0_f32(s_u8):
     return lax.bitcast_convert_type(bits, _F32)
 
 
-def _load_tile(w_ref, s_ref, e, n0, k_step, tn, kh):
-    """Expert e, output rows [n0, n0 + tn), packed columns [k_step kh, (k_step + 1) kh): the unscaled low/high
-    nibble values [tn, kh] (each times 2**-14) and the scales [tn, kh / 16]."""
+# Inline PTX: one 32-bit register holding 4 packed bytes ($2) -> the 4 bytes' low-nibble values (or high-nibble
+# values) as 4 bf16 in two registers ($0: bytes 0, 1; $1: bytes 2, 3; byte 0 in the low half). Each byte is spread
+# to a 16-bit lane (prmt); the nibble 0bSEEM goes to bf16 bits S -> 15, EEM -> 8..6 (exponent field EE, mantissa
+# top bit M), which reads as E2M1(code) * 2**-126 (code 1 as a bf16 subnormal); fma by 2**126 (0x7E80) plus -0.0
+# makes it exactly E2M1(code), signs and -0.0 included (bf16 arithmetic keeps subnormals). 14 instructions for 4
+# values. (One block with both nibbles' results would share the prmt, but this JAX's Triton lowering of a
+# multi-result inline asm is broken, and interleaving the results afterwards costs more than the spread.)
+def _e2m1x4_ptx(mag_shift: int, sign_shift: int) -> str:
+    lines = ["{", ".reg .b32 zero, magm, sgnm, bias, x, t, u;", "mov.b32 zero, 0;", "mov.b32 magm, 0x01C001C0;",
+             "mov.b32 sgnm, 0x80008000;", "mov.b32 bias, 0x7E807E80;"]
+    for out, sel in (("$0", "0x4140"), ("$1", "0x4342")):  # bytes 0, 1 / bytes 2, 3 into the two 16-bit lanes
+        lines += [f"prmt.b32 x, $2, zero, {sel};", f"shl.b32 t, x, {mag_shift};", "and.b32 t, t, magm;",
+                  f"shl.b32 u, x, {sign_shift};", "and.b32 u, u, sgnm;", "or.b32 t, t, u;",
+                  f"fma.rn.bf16x2 {out}, t, bias, sgnm;"]
+    return "\n".join(lines + ["}"])
+
+
+E2M1X4_PTX = {"lo": _e2m1x4_ptx(6, 12), "hi": _e2m1x4_ptx(2, 8)}  # nibble bits 0-3 / 4-7 of each byte
+E2M1X4_PTX_CONSTRAINTS = "=r,=r,r"  # 4 bf16 = 2 result registers, then 4 uint8 = 1 input register
+
+
+def e2m1_pair_bf16(codes_u8, interpret: bool):
+    """uint8 codes (any shape) -> (E2M1(low nibble), E2M1(high nibble)) as exact bf16 values, same shape.
+
+    Compiled for a GPU these are the :data:`E2M1X4_PTX` blocks (``elementwise_inline_asm``, 4 bytes per
+    instance); in interpret mode the same per-byte function in jnp."""
+    if interpret:
+        c = codes_u8.astype(jnp.int32)
+        return tuple((_e2m1_f32(n) * _UNSCALE).astype(jnp.bfloat16) for n in (c & 15, c >> 4))
+    out = jax.ShapeDtypeStruct(codes_u8.shape, jnp.bfloat16)
+    return tuple(pltriton.elementwise_inline_asm(E2M1X4_PTX[half], args=[codes_u8],
+                                                 constraints=E2M1X4_PTX_CONSTRAINTS, pack=4,
+                                                 result_shape_dtypes=[out])[0] for half in ("lo", "hi"))
+
+
+def _load_tile(w_ref, s_ref, e, n0, k_step, tn, kh, dequant="bits", interpret=True):
+    """Expert e, output rows [n0, n0 + tn), packed columns [k_step kh, (k_step + 1) kh): the low/high nibble
+    values [tn, kh] in fp32 (times 2**-14 for ``"bits"``, exact for ``"ptx"``: see :func:`_unscale`) and the
+    scales [tn, kh / 16]."""
     G = kh // (_BLK // 2)
     k0 = pl.multiple_of(k_step * kh, kh)
     g0 = pl.multiple_of(k_step * G, G)
-    codes = w_ref[e, pl.ds(n0, tn), pl.ds(k0, kh)].astype(jnp.int32)
+    codes = w_ref[e, pl.ds(n0, tn), pl.ds(k0, kh)]
     scale = _e8m0_f32(s_ref[e, pl.ds(n0, tn), pl.ds(g0, G)])
+    if dequant == "ptx":
+        lo, hi = e2m1_pair_bf16(codes, interpret)
+        return lo.astype(_F32), hi.astype(_F32), scale
+    codes = codes.astype(jnp.int32)
     return _e2m1_f32(codes & 15), _e2m1_f32(codes >> 4), scale
+
+
+def _unscale(dequant):
+    """What the accumulators are multiplied by at the end: 2**14 after the float16 placement, 1 after the PTX."""
+    return _UNSCALE if dequant == "bits" else 1.0
 
 
 def _scaled(v, scale, tn, kh):
@@ -90,7 +149,7 @@ def _epilogue(accs, mode, act):
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode: one program per (assignment, output tile)
-def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act):
+def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act, dequant, interpret):
     o_ref = refs[-1]
     w_refs = refs[: 2 * nw]
     a = pl.program_id(0)
@@ -104,7 +163,8 @@ def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act)
         xo = xo_ref[t, pl.ds(k0, kh)].astype(_F32)
         out = []
         for i, acc in enumerate(accs):
-            lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh)
+            lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh, dequant,
+                                       interpret)
             p = lo * xe[None, :] + hi * xo[None, :]  # [tn, kh]
             G = scale.shape[-1]
             p = jnp.sum(p.reshape(tn, G, kh // G), axis=-1)  # per scale block
@@ -112,20 +172,23 @@ def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act)
         return tuple(out)
 
     accs = lax.fori_loop(0, nk, body, tuple(jnp.zeros((tn,), _F32) for _ in range(nw)))
-    y = _epilogue([acc * _UNSCALE for acc in accs], mode, act)
+    y = _epilogue([acc * _unscale(dequant) for acc in accs], mode, act)
     if mode == "down":
         y = y * refs[2 * nw][a]
     o_ref[...] = y.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("X", "mode", "act", "tn", "tk", "out_dtype", "interpret", "num_warps"))
-def _decode_call(idx_A, xe_TH, xo_TH, weights, rw_A, *, X, mode, act, tn, tk, out_dtype, interpret, num_warps):
+@functools.partial(jax.jit, static_argnames=("X", "mode", "act", "tn", "tk", "out_dtype", "interpret", "num_warps",
+                                             "dequant"))
+def _decode_call(idx_A, xe_TH, xo_TH, weights, rw_A, *, X, mode, act, tn, tk, out_dtype, interpret, num_warps,
+                 dequant):
     A = idx_A.shape[0]
     N = weights[0].shape[1]
     kh = tk // 2
     nk = xe_TH.shape[1] // kh
     nw = len(weights) // 2
-    kernel = functools.partial(_decode_kernel, X=X, nw=nw, nk=nk, kh=kh, tn=tn, mode=mode, act=act)
+    kernel = functools.partial(_decode_kernel, X=X, nw=nw, nk=nk, kh=kh, tn=tn, mode=mode, act=act,
+                               dequant=dequant, interpret=interpret)
     full = pl.BlockSpec()
     args = [idx_A, xe_TH, xo_TH, *weights] + ([rw_A] if mode == "down" else [])
     return pl.pallas_call(
@@ -237,31 +300,54 @@ def _act(act, beta, linear_beta):
     return (act, None if beta is None else float(beta), None if linear_beta is None else float(linear_beta))
 
 
-@functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tn", "tk", "interpret"))
+@dataclasses.dataclass(frozen=True)
+class DecodeTuning:
+    """The decode kernel's launch choices on a GPU (interpret mode takes whole dims up to 512 instead).
+
+    tn: output rows per program; tk: input columns per loop step (a multiple of 32); num_warps: Triton warps per
+    program; dequant: "bits" or "ptx" (module docstring). ``scripts/bench_kernels.py`` times a sweep of these on a
+    GPU and reports the fastest; this default is the one place to change after such a run."""
+    tn: int = 32
+    tk: int = 256
+    num_warps: int = 4
+    dequant: str = "bits"
+
+
+DECODE_TUNING = DecodeTuning()
+DEQUANT_MODES = ("bits", "ptx")
+
+
+@functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tn", "tk", "interpret", "num_warps",
+                                             "dequant"))
 def moe_decode(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, act: str,
                beta=None, linear_beta=None, *, tn: Optional[int] = None, tk: Optional[int] = None,
-               interpret: Optional[bool] = None):
+               interpret: Optional[bool] = None, num_warps: Optional[int] = None, dequant: Optional[str] = None):
     """Routed experts for a few rows: ``y[t] = sum_x w[t,x] W2_e act(W1_e x_t, W3_e x_t)``, e = idx[t, x].
 
     Same result as ``moe_ops.experts_gathered`` on the gathered, dequantised experts; reads only the T*X routed
     experts' packed bytes. ``tn`` / ``tk``: output / input tile (default: whole dims up to 512 when interpreting,
-    32 x 256 on a GPU)."""
+    :data:`DECODE_TUNING` on a GPU); ``num_warps``, ``dequant``: default from :data:`DECODE_TUNING`."""
     interpret = use_interpret(interpret)
+    dequant = dequant or DECODE_TUNING.dequant
+    if dequant not in DEQUANT_MODES:
+        raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
+    num_warps = num_warps or DECODE_TUNING.num_warps
     T, D = x_TD.shape
     X = idx_TX.shape[1]
     E, F, _ = _check_weights([(w1_packed, w1_scale), (w3_packed, w3_scale)], K_in=D)
     _check_weights([(w2_packed, w2_scale)], K_in=F, N=D, E=E)
     a = _act(act, beta, linear_beta)
     idx_A = idx_TX.reshape(-1).astype(jnp.int32)
-    tn1, tk1 = _blocks(F, D, tn, tk, interpret, 32, 256)
-    tn2, tk2 = _blocks(D, F, tn, tk, interpret, 32, 256)
+    tn1, tk1 = _blocks(F, D, tn, tk, interpret, DECODE_TUNING.tn, DECODE_TUNING.tk)
+    tn2, tk2 = _blocks(D, F, tn, tk, interpret, DECODE_TUNING.tn, DECODE_TUNING.tk)
     xe, xo = _even_odd(x_TD)
+    kw = dict(interpret=interpret, num_warps=num_warps, dequant=dequant)
     h_AF = _decode_call(idx_A, xe, xo, (w1_packed, w1_scale, w3_packed, w3_scale), None, X=X, mode="glu", act=a,
-                        tn=tn1, tk=tk1, out_dtype=x_TD.dtype, interpret=interpret, num_warps=4)
+                        tn=tn1, tk=tk1, out_dtype=x_TD.dtype, **kw)
     he, ho = _even_odd(h_AF)
     # the down kernel runs with X=1: assignment a reads row a of h
     y_AD = _decode_call(idx_A, he, ho, (w2_packed, w2_scale), w_TX.reshape(-1).astype(_F32), X=1, mode="down",
-                        act=a, tn=tn2, tk=tk2, out_dtype=_F32, interpret=interpret, num_warps=4)
+                        act=a, tn=tn2, tk=tk2, out_dtype=_F32, **kw)
     return y_AD.reshape(T, X, D).sum(axis=1).astype(x_TD.dtype)
 
 
@@ -399,5 +485,5 @@ def routed_experts(experts, z_TD, w_TX, idx_TX, decode: bool, interpret: Optiona
               interpret=interpret)
 
 
-__all__ = ["moe_decode", "moe_grouped", "grouped_matmul", "grouped_glu", "moe_decode_reference",
+__all__ = ["moe_decode", "DecodeTuning", "DECODE_TUNING", "E2M1X4_PTX", "e2m1_pair_bf16", "moe_grouped", "grouped_matmul", "grouped_glu", "moe_decode_reference",
            "moe_grouped_reference", "routed_experts"]

@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -134,6 +135,111 @@ def test_mxfp4_pallas_kernel_dequantises_every_code_exactly():
     np.testing.assert_array_equal(out, mxfp4.dequantize(packed, scale)[0].T)
 
 
+# ---------------------------------------------------------------------------------------------------- the PTX dequant
+def _run_ptx(asm, operands):
+    """Run a straight-line PTX block on numpy uint32 arrays: operands ``$0..$n`` (outputs are written into the
+    list), ``.reg`` names local to the block. Only the instructions E2M1X8_PTX uses, each with its PTX ISA
+    semantics: mov/shl/and/or.b32, prmt.b32 (default mode: selector nibble bits 0-2 pick one of the 8 bytes of
+    {b, a}, bit 3 replicates that byte's sign bit), fma.rn.bf16x2 (per 16-bit half, exact product and sum rounded
+    once to bf16, nearest-even; subnormals kept)."""
+    regs = {}
+
+    def val(tok):
+        tok = tok.strip()
+        if tok.startswith("$"):
+            return operands[int(tok[1:])]
+        if tok in regs:
+            return regs[tok]
+        return np.uint32(int(tok, 0))
+
+    def put(tok, v):
+        v = np.asarray(v, np.uint32)
+        if tok.startswith("$"):
+            operands[int(tok[1:])] = v
+        else:
+            regs[tok] = v
+
+    def bf16x2(w):
+        w = np.asarray(w, np.uint32)
+        halves = [(w & 0xFFFF).astype(np.uint16), (w >> 16).astype(np.uint16)]
+        return [h.view(ml_dtypes.bfloat16).astype(np.float64) for h in halves]
+
+    def pack_bf16x2(lo, hi):
+        lo16, hi16 = (np.asarray(v).astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32) for v in (lo, hi))
+        return lo16 | (hi16 << 16)
+
+    body = asm.strip()
+    assert body[0] == "{" and body[-1] == "}"
+    for stmt in body[1:-1].split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            put(a[0], val(a[1]))
+        elif op == "shl.b32":
+            put(a[0], (np.asarray(val(a[1]), np.uint64) << np.uint64(int(a[2], 0))) & 0xFFFFFFFF)
+        elif op == "and.b32":
+            put(a[0], val(a[1]) & val(a[2]))
+        elif op == "or.b32":
+            put(a[0], val(a[1]) | val(a[2]))
+        elif op == "prmt.b32":
+            src = np.asarray(val(a[1]), np.uint64) | (np.asarray(val(a[2]), np.uint64) << np.uint64(32))
+            sel = int(a[3], 0)
+            out = np.zeros(np.broadcast(src).shape, np.uint64)
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 15
+                byte = (src >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)
+                if nib & 8:
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                out |= byte << np.uint64(8 * i)
+            put(a[0], out)
+        elif op == "fma.rn.bf16x2":
+            (al, ah), (bl, bh), (cl, ch) = (bf16x2(val(t)) for t in a[1:4])
+            put(a[0], pack_bf16x2(al * bl + cl, ah * bh + ch))  # float64: bf16 x bf16 + bf16 is exact there
+        else:
+            raise NotImplementedError(op)
+    return operands
+
+
+def test_ptx_dequant_is_exact_e2m1_for_every_byte_in_every_lane():
+    """The inline PTX shipped for the GPU (mm.E2M1X4_PTX, run here by _run_ptx) turns each byte of a 32-bit word
+    into E2M1(its low nibble) ("lo") or E2M1(its high nibble) ("hi"), bit for bit (signs and -0.0 included),
+    whatever the other 3 bytes hold; and the interpret-mode stand-in (mm.e2m1_pair_bf16) is the same function."""
+    rng = np.random.default_rng(0)
+    b = np.arange(256, dtype=np.uint32)
+    want = {"lo": mxfp4.E2M1_VALUES[b & 15], "hi": mxfp4.E2M1_VALUES[b >> 4]}
+    want_bits = {k: w.astype(ml_dtypes.bfloat16).view(np.uint16) for k, w in want.items()}
+    assert mm.E2M1X4_PTX_CONSTRAINTS.count("=r") == 2
+    for half, asm in mm.E2M1X4_PTX.items():
+        assert "$3" not in asm
+        for lane in range(4):
+            others = rng.integers(0, 2**32, 256, dtype=np.uint64).astype(np.uint32) & ~np.uint32(0xFF << (8 * lane))
+            out = _run_ptx(asm, [None, None, others | (b << (8 * lane))])
+            reg = out[lane // 2]  # $0 holds bytes 0, 1; $1 bytes 2, 3
+            got = ((reg >> (16 * (lane % 2))) & 0xFFFF).astype(np.uint16)
+            np.testing.assert_array_equal(got, want_bits[half], err_msg=f"{half} nibble, byte lane {lane}")
+    lo, hi = mm.e2m1_pair_bf16(jnp.asarray(b.astype(np.uint8)), interpret=True)
+    for got, half in ((lo, "lo"), (hi, "hi")):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want_bits[half])
+
+
+@pytest.mark.parametrize("dequant", mm.DEQUANT_MODES)
+def test_mxfp4_pallas_moe_decode_dequant_modes_agree(dequant):
+    """Both dequantisations of the decode kernel give the reference (bf16 activations as served; the kernel's
+    widening to fp32 is exact, so both modes agree with each other to fp32 rounding)."""
+    E, F, D = 6, 256, 256  # tiles of 32 x 128 packed bytes (GPU-sized: >= 4 bytes per thread for the PTX), 2 K steps
+    ws = _mx_weights(E, F, D, seed=9)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, D)), jnp.bfloat16)
+    w, idx = _route(2, 3, E, seed=9)
+    ref = mm.moe_decode_reference(x.astype(jnp.float32), w, idx, *ws, "situ", 4.0, 25.0)
+    out = mm.moe_decode(x.astype(jnp.float32), w, idx, *ws, "situ", 4.0, 25.0, tn=32, tk=128, dequant=dequant)
+    np.testing.assert_allclose(out, ref, **TOL)
+    with pytest.raises(ValueError, match="dequant must be one of"):
+        mm.moe_decode(x, w, idx, *ws, "situ", 4.0, 25.0, dequant="lut")
+
+
 # ---------------------------------------------------------------------------------------------------- GPU lowering
 def test_kernels_lower_to_triton_for_gpu():
     """Cross-lower every kernel for an NVIDIA GPU (no GPU needed): the Pallas Triton lowering accepts the block
@@ -146,9 +252,11 @@ def test_kernels_lower_to_triton_for_gpu():
     def lower(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for fn in (mm.moe_decode, mm.moe_grouped):
-        txt = lower(lambda x, w, idx, *ws: fn(x, w, idx, *ws, "situ", 4.0, 25.0, interpret=False), x, w, idx, *ws)
+    for fn, kw in ((mm.moe_decode, dict(dequant="bits")), (mm.moe_decode, dict(dequant="ptx")), (mm.moe_grouped, {})):
+        txt = lower(lambda x, w, idx, *ws: fn(x, w, idx, *ws, "situ", 4.0, 25.0, interpret=False, **kw),
+                    x, w, idx, *ws)
         assert txt.count("xla.gpu.triton") == 2
+        assert ("fma.rn.bf16x2" in txt) == (kw.get("dequant") == "ptx")  # the inline asm travels in the IR
     for T in (1, 4):
         args = _kda_args(1, T, 2, 128, 3)
         txt = lower(lambda *a: kd.kda_fused_step(*a, lower_bound=-5.0, eps_rms=1e-5, return_all_states=T > 1,
@@ -214,3 +322,26 @@ def test_model_pallas_kernels_match_xla():
         rx = kimi.KimiForCausalLM.rollback(vx, cache.length, n_keep)
         np.testing.assert_allclose(rp.kda_state, rx.kda_state, atol=1e-5)
     np.testing.assert_allclose(vp.logits[:, 0], dp.logits, atol=1e-4, rtol=0)  # verify's first = decode
+
+
+# ---------------------------------------------------------------------------------------------------- the GPU bench
+def test_bench_kernels_speed_path_runs_every_variant():
+    """scripts/bench_kernels.py's GPU path (the sweep a device session runs once) on small shapes in interpret
+    mode: every variant runs, agrees with the XLA reference, and the report names the default and the fastest."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    res = bk.main(["--speed", "--small", "--iters", "2", "--repeats", "1"])
+    assert {"mxfp4_moe", "kda_decode", "kda_verify8", "copy_bw_GBps"} <= set(res)
+    moe = res["mxfp4_moe"]
+    assert {r["dequant"] for r in moe["variants"]} == set(mm.DEQUANT_MODES)
+    assert moe["dequant"] == mm.DECODE_TUNING.dequant and moe["best"] in moe["variants"]
+    for name in ("mxfp4_moe", "kda_decode", "kda_verify8"):
+        for row in res[name]["variants"]:
+            assert "error" not in row, row
+            assert row["max_abs_err"] < 2e-2 and row["time_us"] > 0 and row["speedup_vs_xla"] > 0
+    assert [r["num_warps"] for r in res["kda_decode"]["variants"]] == list(bk.KDA_WARPS)
