@@ -12,10 +12,12 @@ Per program (b, h), for each position in turn (a ``fori_loop``; T = 1: decode, T
 The fp32 state [B, H, K, V] and the conv state [B, W, 3P] are updated in place (``input_output_aliases``); the
 verify variant also writes the state and the conv state after every position (for rollback by selection).
 
-Layout. The wrapper reshapes (no copies) pre [B, T, 3P] -> [B, T, 3, H, K] and conv [B, W, 3P] -> [B, W, 3, H, K]
-so that head h's q/k/v channels are one block; the conv weight [3P, W+1] is rearranged to [H, 3, W+1, K] (a few
-hundred KB for K3, once per call). Grid ``(B, H)``; blocks: state (K, V), pre (T, 3, K), conv (W, 3, K), gate and a
-(T, K); every load/store inside the body is a (K,) or (K, V) array, so with K = V = 128 it lowers to Triton. One
+Layout. The wrapper only reshapes (views, no copies): pre [B, T, 3P] -> [B, T, 3, H, K], conv [B, W, 3P] ->
+[B, W, 3, H, K], the conv weight [3P, W+1] -> [3, H, K, W+1] (a tap is a strided (K,) load), A_log [H] -> [H, 1];
+so on a GPU one step is one kernel launch (at K3 decode shapes the step moves ~13 MB, a few microseconds of HBM
+time, so an extra XLA transpose or broadcast launch around it would cost as much as the kernel). Grid ``(B, H)``;
+blocks: state (K, V), pre (T, 3, K), conv (W, 3, K), gate and a (T, K); every load/store inside the body is a (K,)
+or (K, V) array, so with K = V = 128 it lowers to Triton. One
 program moves 2 K V 4 bytes of state (128 KiB for K3) with no reuse: the kernel is bound by memory traffic.
 
 The jnp reference, :func:`kda_fused_step_reference`, is the composition of ``kimi.ops.kda`` functions that
@@ -51,8 +53,8 @@ def _kda_kernel(pre_ref, cw_ref, conv_ref, a_ref, alog_ref, dtb_ref, b_ref, gate
     conv_dt = conv_out_ref.dtype
     # the conv window, oldest first: W rows of (q, k, v) channel vectors of head h, carried through the loop
     window = tuple(conv_ref[j, c, :].astype(_F32) for j in range(W) for c in range(3))
-    taps = [[cw_ref[c, j, :].astype(_F32) for j in range(W + 1)] for c in range(3)]
-    A = jnp.exp(alog_ref[...].astype(_F32))  # exp(A_log[h]) broadcast over K
+    taps = [[cw_ref[c, :, j].astype(_F32) for j in range(W + 1)] for c in range(3)]  # (K,) each, stride W+1
+    A = jnp.exp(alog_ref[...].astype(_F32))  # exp(A_log[h]): (1,) per head or (K,) per channel
     dtb = dtb_ref[...].astype(_F32)
     nw = nw_ref[...].astype(_F32)
 
@@ -97,13 +99,14 @@ def _kda_kernel(pre_ref, cw_ref, conv_ref, a_ref, alog_ref, dtb_ref, b_ref, gate
             conv_out_ref[j, c, :] = window[3 * j + c].astype(conv_dt)
 
 
-def _per_head_K(v, H, K, name):
-    """None / [H] / [H, K] / [H*K] -> fp32 [H, K]."""
+def _per_head(v, H, K, name):
+    """None / [H] / [H, K] / [H*K] -> fp32 [H, 1] or [H, K] (reshapes only: broadcasting it here would be one
+    more GPU kernel launch per step; the kernel broadcasts in registers)."""
     if v is None:
-        return jnp.zeros((H, K), _F32)
+        return jnp.zeros((H, 1), _F32)
     v = jnp.asarray(v, _F32)
     if v.size == H:
-        return jnp.broadcast_to(v.reshape(H, 1), (H, K))
+        return v.reshape(H, 1)
     if v.size == H * K:
         return v.reshape(H, K)
     raise ValueError(f"{name}: expected {H} or {H * K} elements, got shape {v.shape}")
@@ -125,19 +128,19 @@ def _kda_call(pre_BTC, w_CK, conv_BWC, a_BTHK, A_log_H, dt_bias_HK, b_BTH, gate_
         raise ValueError(f"kda_fused_step: state {state_BHKV.shape}, expected {(B, H, K, V)}")
     pre = pre_BTC.reshape(B, T, 3, H, K)
     conv = conv_BWC.reshape(B, W, 3, H, K)
-    cw = jnp.asarray(w_CK, _F32).reshape(3, H, K, W + 1).transpose(1, 0, 3, 2)  # [H, 3, W+1, K]
-    alog = _per_head_K(A_log_H, H, K, "A_log")
-    dtb = _per_head_K(dt_bias_HK, H, K, "dt_bias")
+    cw = jnp.asarray(w_CK, _F32).reshape(3, H, K, W + 1)  # channel c = (q|k|v, head, k): a view, no copy
+    alog = _per_head(A_log_H, H, K, "A_log")
+    dtb = _per_head(dt_bias_HK, H, K, "dt_bias")
     state = state_BHKV.astype(_F32)
     scale = K**-0.5 if scale is None else float(scale)
 
     in_specs = [
         pl.BlockSpec((None, T, 3, None, K), lambda b, h: (b, 0, 0, h, 0)),  # pre
-        pl.BlockSpec((None, 3, W + 1, K), lambda b, h: (h, 0, 0, 0)),  # conv taps
+        pl.BlockSpec((3, None, K, W + 1), lambda b, h: (0, h, 0, 0)),  # conv taps
         pl.BlockSpec((None, W, 3, None, K), lambda b, h: (b, 0, 0, h, 0)),  # conv state
         pl.BlockSpec((None, T, None, K), lambda b, h: (b, 0, h, 0)),  # a
-        pl.BlockSpec((None, K), lambda b, h: (h, 0)),  # A_log
-        pl.BlockSpec((None, K), lambda b, h: (h, 0)),  # dt_bias
+        pl.BlockSpec((None, alog.shape[1]), lambda b, h: (h, 0)),  # A_log
+        pl.BlockSpec((None, dtb.shape[1]), lambda b, h: (h, 0)),  # dt_bias
         pl.BlockSpec((None, T, None), lambda b, h: (b, 0, h)),  # beta logits
         pl.BlockSpec((None, T, None, V), lambda b, h: (b, 0, h, 0)),  # output gate
         pl.BlockSpec((V,), lambda b, h: (0,)),  # o_norm weight

@@ -149,7 +149,7 @@ def _epilogue(accs, mode, act):
 
 # ----------------------------------------------------------------------------------------------------------------
 # decode: one program per (assignment, output tile)
-def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act, dequant, interpret):
+def _decode_kernel(idx_ref, x_ref, *refs, X, nw, nk, kh, tn, mode, act, dequant, interpret):
     o_ref = refs[-1]
     w_refs = refs[: 2 * nw]
     a = pl.program_id(0)
@@ -158,9 +158,9 @@ def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act,
     t = a // X
 
     def body(k_step, accs):
-        k0 = pl.multiple_of(k_step * kh, kh)
-        xe = xe_ref[t, pl.ds(k0, kh)].astype(_F32)
-        xo = xo_ref[t, pl.ds(k0, kh)].astype(_F32)
+        c0 = pl.multiple_of(k_step * 2 * kh, 2 * kh)  # input columns [c0, c0 + 2 kh): even ones meet the low
+        xe = x_ref[t, pl.ds(c0, kh, stride=2)].astype(_F32)  # nibbles, odd ones the high nibbles (strided loads:
+        xo = x_ref[t, pl.ds(c0 + 1, kh, stride=2)].astype(_F32)  # no even/odd split kernels around the call)
         out = []
         for i, acc in enumerate(accs):
             lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh, dequant,
@@ -180,17 +180,16 @@ def _decode_kernel(idx_ref, xe_ref, xo_ref, *refs, X, nw, nk, kh, tn, mode, act,
 
 @functools.partial(jax.jit, static_argnames=("X", "mode", "act", "tn", "tk", "out_dtype", "interpret", "num_warps",
                                              "dequant"))
-def _decode_call(idx_A, xe_TH, xo_TH, weights, rw_A, *, X, mode, act, tn, tk, out_dtype, interpret, num_warps,
-                 dequant):
+def _decode_call(idx_A, x_TK, weights, rw_A, *, X, mode, act, tn, tk, out_dtype, interpret, num_warps, dequant):
     A = idx_A.shape[0]
     N = weights[0].shape[1]
     kh = tk // 2
-    nk = xe_TH.shape[1] // kh
+    nk = x_TK.shape[1] // tk
     nw = len(weights) // 2
     kernel = functools.partial(_decode_kernel, X=X, nw=nw, nk=nk, kh=kh, tn=tn, mode=mode, act=act,
                                dequant=dequant, interpret=interpret)
     full = pl.BlockSpec()
-    args = [idx_A, xe_TH, xo_TH, *weights] + ([rw_A] if mode == "down" else [])
+    args = [idx_A, x_TK, *weights] + ([rw_A] if mode == "down" else [])
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((A, N), out_dtype), grid=(A, N // tn),
         in_specs=[full] * len(args), out_specs=pl.BlockSpec((None, tn), lambda a, n: (a, n)),
@@ -340,13 +339,11 @@ def moe_decode(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2_
     idx_A = idx_TX.reshape(-1).astype(jnp.int32)
     tn1, tk1 = _blocks(F, D, tn, tk, interpret, DECODE_TUNING.tn, DECODE_TUNING.tk)
     tn2, tk2 = _blocks(D, F, tn, tk, interpret, DECODE_TUNING.tn, DECODE_TUNING.tk)
-    xe, xo = _even_odd(x_TD)
     kw = dict(interpret=interpret, num_warps=num_warps, dequant=dequant)
-    h_AF = _decode_call(idx_A, xe, xo, (w1_packed, w1_scale, w3_packed, w3_scale), None, X=X, mode="glu", act=a,
+    h_AF = _decode_call(idx_A, x_TD, (w1_packed, w1_scale, w3_packed, w3_scale), None, X=X, mode="glu", act=a,
                         tn=tn1, tk=tk1, out_dtype=x_TD.dtype, **kw)
-    he, ho = _even_odd(h_AF)
     # the down kernel runs with X=1: assignment a reads row a of h
-    y_AD = _decode_call(idx_A, he, ho, (w2_packed, w2_scale), w_TX.reshape(-1).astype(_F32), X=1, mode="down",
+    y_AD = _decode_call(idx_A, h_AF, (w2_packed, w2_scale), w_TX.reshape(-1).astype(_F32), X=1, mode="down",
                         act=a, tn=tn2, tk=tk2, out_dtype=_F32, **kw)
     return y_AD.reshape(T, X, D).sum(axis=1).astype(x_TD.dtype)
 
