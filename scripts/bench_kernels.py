@@ -124,9 +124,9 @@ MOE_SWEEP = ((mm.DECODE_TUNING.dequant, mm.DECODE_TUNING.tn, mm.DECODE_TUNING.tk
 KDA_WARPS = (8, 4, 16)  # the first is kda_fused_step's default
 
 
-def _sweep(names, configs, run_one):
+def _sweep(names, configs, run_one, tol):
     """Run every config (dicts of ``names``), keep going past failures; returns (rows, the default's row, the
-    fastest row whose max_abs_err is within 10x the default's)."""
+    fastest row whose max_abs_err is within ``tol`` (or 10x the default's, if larger))."""
     rows, seen = [], set()
     for cfg in configs:
         if cfg in seen:
@@ -140,7 +140,8 @@ def _sweep(names, configs, run_one):
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)  # progress: the figures so far survive a time-out
     default = rows[0]
-    ok = [r for r in rows if "time_us" in r and r["max_abs_err"] <= 10 * max(default.get("max_abs_err", 0), 1e-3)]
+    tol = max(tol, 10 * default.get("max_abs_err", 0.0))
+    ok = [r for r in rows if "time_us" in r and r["max_abs_err"] <= tol]
     best = min(ok, key=lambda r: r["time_us"]) if ok else None
     return rows, default, best
 
@@ -156,15 +157,17 @@ def bench_moe(copy_bw, iters, repeats, E, F, D, T, X, sweep=MOE_SWEEP):
     consts = (w, idx, *ws)
     t_r = _time_loop(make(mm.moe_decode_reference), x, consts, iters, repeats)
     want = mm.moe_decode_reference(x, w, idx, *ws, *ACT)
+    max_abs_ref = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
 
     def one(dequant, tn, tk, num_warps):
         fn = functools.partial(mm.moe_decode, tn=tn, tk=tk, num_warps=num_warps, dequant=dequant)
         err = _err(fn(x, w, idx, *ws, *ACT), want)
         return _report(nbytes, _time_loop(make(fn), x, consts, iters, repeats), t_r, copy_bw, err)
 
-    rows, default, best = _sweep(("dequant", "tn", "tk", "num_warps"), sweep, one)
+    # bf16 output: a few bf16 ulps of the largest value
+    rows, default, best = _sweep(("dequant", "tn", "tk", "num_warps"), sweep, one, tol=2e-2 * max_abs_ref)
     return dict(default, shape=dict(E_routed=X, F=F, D=D, T=T), xla_time_us=round(t_r * 1e6, 2),
-                max_abs_ref=float(jnp.max(jnp.abs(want.astype(jnp.float32)))), best=best, variants=rows)
+                max_abs_ref=max_abs_ref, best=best, variants=rows)
 
 
 def bench_kda(copy_bw, iters, repeats, B, H, K, W, T=1, warps=KDA_WARPS):
@@ -191,7 +194,7 @@ def bench_kda(copy_bw, iters, repeats, B, H, K, W, T=1, warps=KDA_WARPS):
         err = max(_err(a, b) for a, b in zip(fn(*args, **kw), want))
         return _report(nbytes, _time_loop(make(fn), carry, args, iters, repeats), t_r, copy_bw, err)
 
-    rows, default, best = _sweep(("num_warps",), [(nw,) for nw in warps], one)
+    rows, default, best = _sweep(("num_warps",), [(nw,) for nw in warps], one, tol=1e-3)
     return dict(default, shape=dict(B=B, T=T, H=H, K=K, V=K, W=W), xla_time_us=round(t_r * 1e6, 2), best=best,
                 variants=rows)
 
