@@ -17,8 +17,8 @@ Layout. The wrapper only reshapes (views, no copies): pre [B, T, 3P] -> [B, T, 3
 so on a GPU one step is one kernel launch (at K3 decode shapes the step moves ~13 MB, a few microseconds of HBM
 time, so an extra XLA transpose or broadcast launch around it would cost as much as the kernel). Grid ``(B, H)``;
 blocks: state (K, V), pre (T, 3, K), conv (W, 3, K), gate and a (T, K); every load/store inside the body is a (K,)
-or (K, V) array, so with K = V = 128 it lowers to Triton. One
-program moves 2 K V 4 bytes of state (128 KiB for K3) with no reuse: the kernel is bound by memory traffic.
+or (K, V) array, so with K = V = 128 it lowers to Triton. One program moves 2 K V 4 bytes of state (128 KiB for
+K3) with no reuse: the kernel is bound by memory traffic.
 
 The jnp reference, :func:`kda_fused_step_reference`, is the composition of ``kimi.ops.kda`` functions that
 ``KimiDeltaAttention`` runs on the XLA path.

@@ -7,21 +7,22 @@ Dequantisation inside the kernel (no table gather: Triton has none). For a nibbl
 ``(c & 8) << 12 | (c & 7) << 9`` read as float16 is exactly ``E2M1(c) * 2**-14`` (code 1 lands on a float16
 subnormal, which the f16 -> f32 conversion keeps exact); the block scale ``2**(s - 127)`` is built from its bits;
 the ``2**14`` is put back on the fp32 accumulator once at the end (a power of two: exact). The low and high
-nibbles of byte j are input columns 2j and 2j+1, so instead of interleaving them in the kernel the activations are
-split into even and odd columns outside (``x[:, 0::2]``, ``x[:, 1::2]``; activations are tiny next to weights) and
-``x W^T = x_even W_lo^T + x_odd W_hi^T``. K tiles are multiples of 32, so a tile holds whole scale blocks.
+nibbles of byte j are input columns 2j and 2j+1, so instead of interleaving the nibbles the activations are taken
+as even and odd columns and ``x W^T = x_even W_lo^T + x_odd W_hi^T`` (the decode kernel reads them with strided
+loads; the grouped kernels get them split outside, ``x[:, 0::2]``, ``x[:, 1::2]``). K tiles are multiples of 32, so
+a tile holds whole scale blocks.
 
 Two ways to dequantise in the decode kernel (``dequant=``; ``DECODE_TUNING`` holds the default):
 
-* ``"bits"``: the float16 placement above in plain jnp ops (portable; ~21 element ops per packed byte in the
-  lowered Triton IR, ~14 of them integer ops, which run at half the FP32 rate on Hopper: an ALU ceiling near 40 %
-  of H200 copy bandwidth by that count);
+* ``"bits"``: the float16 placement above in plain jnp ops (portable; ~18 element ops per packed byte and matrix
+  in the lowered Triton IR, addressing aside, ~14 of them integer ops, which run at half the FP32 rate on Hopper:
+  an ALU ceiling near 40 % of H200 copy bandwidth by that count);
 * ``"ptx"``: inline PTX (:data:`E2M1X4_PTX`) that turns 4 packed bytes into 4 bf16 values (low or high nibbles)
   with two ``prmt`` byte spreads, shifts and masks into bf16 bit positions and one ``fma.rn.bf16x2`` by
   ``2**126`` per pair (that multiply normalises the subnormal code 1 exactly): 3.5 ops per value, then a
-  bf16 -> fp32 widening. On CPU
-  (interpret mode) the same per-byte function runs as jnp; ``tests/kimi/test_kernels_pallas.py`` runs the PTX text
-  itself through a small interpreter on every byte value.
+  bf16 -> fp32 widening; ~12 element ops per packed byte and matrix in all, ~8 of them integer ops. On CPU
+  (interpret mode) the same per-byte function runs as jnp; ``tests/kimi/test_kernels_pallas.py`` runs the PTX
+  text itself through a small interpreter on every byte value.
 
 Two kernels, both ``pl.pallas_call`` over a grid, with the expert read from a routing array *inside* the body
 (``w_ref[e, pl.ds(n0, tn), pl.ds(k0, tk/2)]``): Triton has no scalar prefetch, and a dynamic load is the same
