@@ -144,9 +144,12 @@ SERVING_COPY_BUDGET_BYTES = 512 << 20
 def _serving_layout_fits(target) -> bool:
     """Whether a generation makes the serving copy of the weights (``kimi.model.with_serving_layout``: MXFP4
     unpacked, fused layouts) once, inside its program: when that copy is small. The one place this is decided.
-    K3-sized experts stay packed (they are why MXFP4 exists), and a sharded model keeps its layout."""
+    K3-sized experts stay packed (they are why MXFP4 exists), a sharded model keeps its layout, and so does a model
+    that runs the MXFP4 Pallas kernels (``kernels="pallas"``: they read the packed experts the copy would unpack)."""
     cfg = target.config
     if getattr(target, "sharding_plan", None) is not None:
+        return False
+    if cfg.kernels == "pallas" and cfg.expert_format == "mxfp4":
         return False
     moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)
     dense = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * cfg.dtype.itemsize

@@ -350,3 +350,25 @@ def test_bench_kernels_speed_path_runs_every_variant():
             assert "error" not in row, row
             assert row["max_abs_err"] < 2e-2 and row["time_us"] > 0 and row["speedup_vs_xla"] > 0
     assert [r["num_warps"] for r in res["kda_decode"]["variants"]] == list(bk.KDA_WARPS)
+
+
+# ---------------------------------------------------------------------------------------------------- generation
+def test_generate_with_pallas_kernels_is_lossless_and_matches_xla():
+    """jdspark.generate on a kernels="pallas" MXFP4 target runs the kernels inside its one program (the packed
+    experts are kept: no serving copy), with drafts that are partly accepted (KDA rollback from the kernel's
+    per-position states): the greedy tokens equal plain decoding's and those of the same weights on the XLA path."""
+    from jdspark import speculative
+    from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
+
+    kw = dict(expert_format="mxfp4", routed_expert_hidden_size=64)
+    cfg_p, cfg_x = kimi.KimiConfig.tiny(kernels="pallas", **kw), kimi.KimiConfig.tiny(kernels="xla", **kw)
+    target_p, target_x = scaled_target(cfg_p, 0.05, seed=1), scaled_target(cfg_x, 0.05, seed=1)
+    assert not speculative._serving_layout_fits(target_p) and speculative._serving_layout_fits(target_x)
+    drafter = markov_drafter(target_p, bigram_map(scaled_target(cfg_p, 0.0, seed=1)), 0.2, 30.0, seed=1)
+    p = np.arange(3, 12)
+    sp = speculative.generate(target_p, drafter, p, max_new_tokens=24, eos_token_id=-1)
+    ar = speculative.generate(target_p, None, p, max_new_tokens=24, eos_token_id=-1)
+    xla = speculative.generate(target_x, None, p, max_new_tokens=24, eos_token_id=-1)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(ar.tokens, xla.tokens)
+    assert 1.5 < sp.stats.accept_len < 5.0  # some drafts accepted, some rejected: both rollback cases ran
