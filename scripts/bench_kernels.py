@@ -8,7 +8,8 @@ shapes: what must cross HBM at least once), time per call, achieved bandwidth, i
 copy bandwidth (a plain device copy of a 1 GiB buffer, read + write counted), the XLA reference's time and the
 speedup over it, and the max abs difference from the reference. Calls are timed inside one jitted ``fori_loop``
 of ``--iters`` dependent calls (so Python dispatch does not count), best of ``--repeats``. Each kernel is timed in
-several launch variants (MXFP4: ``MOE_SWEEP``, dequantisation x tiles x warps; KDA: ``KDA_WARPS``): the top-level
+several launch variants (MXFP4: ``MOE_SWEEP``, dequantisation x tiles x warps; KDA: ``KDA_WARPS``; the verify-shaped
+MoE, 8 tokens through the grouped kernels: ``MOE_GROUPED_SWEEP``): the top-level
 fields are the default's (what the model runs), ``best`` the fastest correct one, ``variants`` all of them; each
 variant's row also goes to stderr as it finishes.
 
@@ -118,9 +119,11 @@ SMALL_KDA = dict(B=1, H=2, K=32, W=3)
 
 
 # the decode kernel's launch choices timed on a GPU: (dequant, tn, tk, num_warps); the first is the default
-MOE_SWEEP = ((mm.DECODE_TUNING.dequant, mm.DECODE_TUNING.tn, mm.DECODE_TUNING.tk, mm.DECODE_TUNING.num_warps),) + tuple(
+MOE_SWEEP = ((mm.DEFAULT_DEQUANT, mm.DECODE_TUNING.tn, mm.DECODE_TUNING.tk, mm.DECODE_TUNING.num_warps),) + tuple(
     (d, tn, tk, nw) for d in mm.DEQUANT_MODES
     for tn, tk, nw in ((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 8), (128, 256, 8)))
+# the grouped (prefill / verify) kernels: the dequantisation only; the first is the default
+MOE_GROUPED_SWEEP = ((mm.DEFAULT_DEQUANT,),) + tuple((d,) for d in mm.DEQUANT_MODES)
 KDA_WARPS = (8, 4, 16)  # the first is kda_fused_step's default
 
 
@@ -146,28 +149,34 @@ def _sweep(names, configs, run_one, tol):
     return rows, default, best
 
 
-def bench_moe(copy_bw, iters, repeats, E, F, D, T, X, sweep=MOE_SWEEP):
+def bench_moe(copy_bw, iters, repeats, E, F, D, T, X, sweep=MOE_SWEEP, grouped=False):
+    """T = 1: the decode kernels (``sweep`` of (dequant, tn, tk, num_warps)); ``grouped``: T tokens through the
+    grouped kernels, as a DSpark verify of T positions runs them (``sweep`` of (dequant,))."""
     x, w, idx, *ws = moe_inputs(E, F, D, T, X, jnp.bfloat16, quantize=False)
     per_expert = sum(int(a[0].nbytes) for a in ws)
-    nbytes = T * X * per_expert + 2 * x.nbytes + T * X * F * 2 * 2 + T * X * D * 4 * 2  # weights + x, h, y
+    n_experts = len(np.unique(np.asarray(idx)))  # each expert's bytes are read once, however many rows pick it
+    nbytes = n_experts * per_expert + 2 * x.nbytes + T * X * F * 2 * 2 + T * X * D * 4 * 2  # weights + x, h, y
+    kernel, reference = ((mm.moe_grouped, mm.moe_grouped_reference) if grouped
+                         else (mm.moe_decode, mm.moe_decode_reference))
 
     def make(fn):  # the next call depends on this one's output (a tiny nudge), as consecutive decode steps do
         return lambda c, k: c + (1e-30 * fn(c, *k, *ACT)).astype(c.dtype)
 
     consts = (w, idx, *ws)
-    t_r = _time_loop(make(mm.moe_decode_reference), x, consts, iters, repeats)
-    want = mm.moe_decode_reference(x, w, idx, *ws, *ACT)
+    t_r = _time_loop(make(reference), x, consts, iters, repeats)
+    want = reference(x, w, idx, *ws, *ACT)
     max_abs_ref = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
 
-    def one(dequant, tn, tk, num_warps):
-        fn = functools.partial(mm.moe_decode, tn=tn, tk=tk, num_warps=num_warps, dequant=dequant)
+    def one(**launch):
+        fn = functools.partial(kernel, **launch)
         err = _err(fn(x, w, idx, *ws, *ACT), want)
         return _report(nbytes, _time_loop(make(fn), x, consts, iters, repeats), t_r, copy_bw, err)
 
+    names = ("dequant",) if grouped else ("dequant", "tn", "tk", "num_warps")
     # bf16 output: a few bf16 ulps of the largest value
-    rows, default, best = _sweep(("dequant", "tn", "tk", "num_warps"), sweep, one, tol=2e-2 * max_abs_ref)
-    return dict(default, shape=dict(E_routed=X, F=F, D=D, T=T), xla_time_us=round(t_r * 1e6, 2),
-                max_abs_ref=max_abs_ref, best=best, variants=rows)
+    rows, default, best = _sweep(names, sweep, one, tol=2e-2 * max_abs_ref)
+    return dict(default, shape=dict(E_routed=X, experts_read=n_experts, F=F, D=D, T=T),
+                xla_time_us=round(t_r * 1e6, 2), max_abs_ref=max_abs_ref, best=best, variants=rows)
 
 
 def bench_kda(copy_bw, iters, repeats, B, H, K, W, T=1, warps=KDA_WARPS):
@@ -215,7 +224,9 @@ def gpu_bench(iters, repeats, small=False) -> dict:
            "jax": jax.__version__, "copy_bw_GBps": round(copy_bw / 1e9, 1)}
     for name, fn in (("mxfp4_moe", lambda: bench_moe(copy_bw, iters, repeats, sweep=moe_sweep, **moe)),
                      ("kda_decode", lambda: bench_kda(copy_bw, iters, repeats, **kda)),
-                     ("kda_verify8", lambda: bench_kda(copy_bw, max(iters // 4, 5), repeats, T=8, **kda))):
+                     ("kda_verify8", lambda: bench_kda(copy_bw, max(iters // 4, 5), repeats, T=8, **kda)),
+                     ("mxfp4_moe_verify8", lambda: bench_moe(copy_bw, max(iters // 4, 5), repeats, sweep=MOE_GROUPED_SWEEP,
+                                                             grouped=True, **dict(moe, T=8)))):
         try:
             res[name] = fn()
         except Exception as e:  # report and carry on: one failing kernel must not hide the other figures

@@ -5,7 +5,8 @@
 #      kernels compiled through the Pallas Triton backend (timeout 300 s);
 #   2. scripts/bench_kernels.py --json at K3 decode shapes: bytes per call, GB/s, % of the measured copy bandwidth,
 #      speedup over the XLA reference, for the default launch choices and a sweep of variants (MXFP4 decode:
-#      "bits" vs "ptx" dequantisation x tiles x warps; KDA: warps); timeout 240 s.
+#      "bits" vs "ptx" dequantisation x tiles x warps; KDA: warps; and an 8-token verify through the grouped
+#      MoE kernels, both dequantisations); timeout 240 s.
 #
 # Stated timeout: the whole script ends within 560 s; run it with the device tool as
 #     run(command="bash scripts/gpu_check.sh", timeout_s=600)
@@ -43,7 +44,7 @@ import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 print(f"copy bandwidth {r['copy_bw_GBps']} GB/s on {r.get('device')} (jax {r.get('jax')})")
 print(f"{'kernel':<12} {'which':<8} {'variant':<22} {'us':>8} {'%copy':>6} {'x XLA':>6} {'max_err':>9}")
-for name in ("mxfp4_moe", "kda_decode", "kda_verify8"):
+for name in ("mxfp4_moe", "kda_decode", "kda_verify8", "mxfp4_moe_verify8"):
     k = r.get(name, {})
     if "error" in k:
         print(f"{name:<12} ERROR {k['error'][:100]}")

@@ -12,7 +12,7 @@ as even and odd columns and ``x W^T = x_even W_lo^T + x_odd W_hi^T`` (the decode
 loads; the grouped kernels get them split outside, ``x[:, 0::2]``, ``x[:, 1::2]``). K tiles are multiples of 32, so
 a tile holds whole scale blocks.
 
-Two ways to dequantise in the decode kernel (``dequant=``; ``DECODE_TUNING`` holds the default):
+Two ways to dequantise, in both kernels (``dequant=``; ``DEFAULT_DEQUANT`` holds the default):
 
 * ``"bits"``: the float16 placement above in plain jnp ops (portable; ~18 element ops per packed byte and matrix
   in the lowered Triton IR, addressing aside, ~14 of them integer ops, which run at half the FP32 rate on Hopper:
@@ -201,7 +201,8 @@ def _decode_call(idx_A, x_TK, weights, rw_A, *, X, mode, act, tn, tk, out_dtype,
 
 # ----------------------------------------------------------------------------------------------------------------
 # grouped: one program per (row tile of one expert, output tile)
-def _grouped_kernel(te_ref, xe_ref, xo_ref, *refs, nw, nk, kh, tm, tn, mode, act, cdt, precision):
+def _grouped_kernel(te_ref, xe_ref, xo_ref, *refs, nw, nk, kh, tm, tn, mode, act, cdt, precision, dequant,
+                    interpret):
     o_ref = refs[-1]
     w_refs = refs[: 2 * nw]
     n0 = pl.multiple_of(pl.program_id(1) * tn, tn)
@@ -219,7 +220,8 @@ def _grouped_kernel(te_ref, xe_ref, xo_ref, *refs, nw, nk, kh, tm, tn, mode, act
             xo = xo_ref[:, pl.ds(k0, kh)].astype(cdt)
             out = []
             for i, acc in enumerate(accs):
-                lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh)
+                lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh, dequant,
+                                           interpret)
                 lo = _scaled(lo, scale, tn, kh).astype(cdt)
                 hi = _scaled(hi, scale, tn, kh).astype(cdt)
                 dims = (((1,), (1,)), ((), ()))
@@ -229,15 +231,16 @@ def _grouped_kernel(te_ref, xe_ref, xo_ref, *refs, nw, nk, kh, tm, tn, mode, act
             return tuple(out)
 
         accs = lax.fori_loop(0, nk, body, tuple(jnp.zeros((tm, tn), _F32) for _ in range(nw)))
-        y = _epilogue([acc * _UNSCALE for acc in accs], mode, act)
+        y = _epilogue([acc * _unscale(dequant) for acc in accs], mode, act)
         if mode == "down":
             y = y * refs[2 * nw][...][:, None]
         o_ref[...] = y.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "act", "tm", "tn", "tk", "out_dtype", "interpret",
-                                             "num_warps"))
-def _grouped_call(tile_e, xe_RH, xo_RH, weights, rw_R, *, mode, act, tm, tn, tk, out_dtype, interpret, num_warps):
+                                             "num_warps", "dequant"))
+def _grouped_call(tile_e, xe_RH, xo_RH, weights, rw_R, *, mode, act, tm, tn, tk, out_dtype, interpret, num_warps,
+                  dequant):
     Rp, Kh = xe_RH.shape
     N = weights[0].shape[1]
     kh = tk // 2
@@ -245,7 +248,7 @@ def _grouped_call(tile_e, xe_RH, xo_RH, weights, rw_R, *, mode, act, tm, tn, tk,
     cdt = _F32 if xe_RH.dtype == _F32 else xe_RH.dtype
     precision = lax.Precision.HIGHEST if cdt == _F32 else None
     kernel = functools.partial(_grouped_kernel, nw=nw, nk=Kh // kh, kh=kh, tm=tm, tn=tn, mode=mode, act=act,
-                               cdt=cdt, precision=precision)
+                               cdt=cdt, precision=precision, dequant=dequant, interpret=interpret)
     full = pl.BlockSpec()
     rows = pl.BlockSpec((tm, Kh), lambda i, n: (i, 0))
     in_specs = [full, rows, rows] + [full] * len(weights)
@@ -305,16 +308,25 @@ class DecodeTuning:
     """The decode kernel's launch choices on a GPU (interpret mode takes whole dims up to 512 instead).
 
     tn: output rows per program; tk: input columns per loop step (a multiple of 32); num_warps: Triton warps per
-    program; dequant: "bits" or "ptx" (module docstring). ``scripts/bench_kernels.py`` times a sweep of these on a
-    GPU and reports the fastest; this default is the one place to change after such a run."""
+    program. ``scripts/bench_kernels.py`` times a sweep of these on a GPU and reports the fastest; this default is
+    the one place to change after such a run."""
     tn: int = 32
     tk: int = 256
     num_warps: int = 4
-    dequant: str = "bits"
 
 
 DECODE_TUNING = DecodeTuning()
 DEQUANT_MODES = ("bits", "ptx")
+DEFAULT_DEQUANT = "bits"
+"""Both kernels' dequantisation unless a call says otherwise (module docstring); the one place to switch to
+"ptx" once a GPU run has compiled and timed it."""
+
+
+def _dequant(dequant: Optional[str]) -> str:
+    dequant = dequant or DEFAULT_DEQUANT
+    if dequant not in DEQUANT_MODES:
+        raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
+    return dequant
 
 
 @functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tn", "tk", "interpret", "num_warps",
@@ -326,11 +338,10 @@ def moe_decode(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2_
 
     Same result as ``moe_ops.experts_gathered`` on the gathered, dequantised experts; reads only the T*X routed
     experts' packed bytes. ``tn`` / ``tk``: output / input tile (default: whole dims up to 512 when interpreting,
-    :data:`DECODE_TUNING` on a GPU); ``num_warps``, ``dequant``: default from :data:`DECODE_TUNING`."""
+    :data:`DECODE_TUNING` on a GPU); ``num_warps``: default from :data:`DECODE_TUNING`; ``dequant``:
+    :data:`DEFAULT_DEQUANT`."""
     interpret = use_interpret(interpret)
-    dequant = dequant or DECODE_TUNING.dequant
-    if dequant not in DEQUANT_MODES:
-        raise ValueError(f"dequant must be one of {DEQUANT_MODES}, got {dequant!r}")
+    dequant = _dequant(dequant)
     num_warps = num_warps or DECODE_TUNING.num_warps
     T, D = x_TD.shape
     X = idx_TX.shape[1]
@@ -383,9 +394,10 @@ def _rows_of_groups(group_sizes_E, R):
     return jnp.searchsorted(ends, jnp.arange(R), side="right").astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret", "dequant"))
 def grouped_matmul(x_RK, packed_ENH, scale_ENG, group_sizes_E, *, tm: Optional[int] = None,
-                   tn: Optional[int] = None, tk: Optional[int] = None, interpret: Optional[bool] = None):
+                   tn: Optional[int] = None, tk: Optional[int] = None, interpret: Optional[bool] = None,
+                   dequant: Optional[str] = None):
     """``jax.lax.ragged_dot(x, dequantize(packed, scale).swapaxes(1, 2), group_sizes)`` with the weights packed:
     rows sorted by group, ``group_sizes`` [E] (empty groups allowed; rows past their sum give zeros). fp32 out."""
     interpret = use_interpret(interpret)
@@ -398,14 +410,14 @@ def grouped_matmul(x_RK, packed_ENH, scale_ENG, group_sizes_E, *, tm: Optional[i
     src = jnp.zeros((n_tiles * tm,), jnp.int32).at[pos_R].set(jnp.arange(R, dtype=jnp.int32))
     xe, xo = _even_odd(x_RK[src])
     y = _grouped_call(tile_e, xe, xo, (packed_ENH, scale_ENG), None, mode="plain", act=None, tm=tm, tn=tn, tk=tk,
-                      out_dtype=_F32, interpret=interpret, num_warps=4)
+                      out_dtype=_F32, interpret=interpret, num_warps=4, dequant=_dequant(dequant))
     return y[pos_R]
 
 
-@functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tm", "tn", "tk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tm", "tn", "tk", "interpret", "dequant"))
 def grouped_glu(x_RK, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes_E, act: str, beta=None,
                 linear_beta=None, *, tm: Optional[int] = None, tn: Optional[int] = None, tk: Optional[int] = None,
-                interpret: Optional[bool] = None):
+                interpret: Optional[bool] = None, dequant: Optional[str] = None):
     """Gate and up fused: ``act(x W1_g^T, x W3_g^T)`` per row of group g (SiTU or SwiGLU epilogue in the kernel),
     rows sorted by group. Output in x's dtype."""
     interpret = use_interpret(interpret)
@@ -419,14 +431,14 @@ def grouped_glu(x_RK, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes_E, a
     xe, xo = _even_odd(x_RK[src])
     h = _grouped_call(tile_e, xe, xo, (w1_packed, w1_scale, w3_packed, w3_scale), None, mode="glu",
                       act=_act(act, beta, linear_beta), tm=tm, tn=tn, tk=tk, out_dtype=x_RK.dtype,
-                      interpret=interpret, num_warps=4)
+                      interpret=interpret, num_warps=4, dequant=_dequant(dequant))
     return h[pos_R]
 
 
-@functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tm", "tn", "tk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("act", "beta", "linear_beta", "tm", "tn", "tk", "interpret", "dequant"))
 def moe_grouped(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale, act: str,
                 beta=None, linear_beta=None, *, tm: Optional[int] = None, tn: Optional[int] = None,
-                tk: Optional[int] = None, interpret: Optional[bool] = None):
+                tk: Optional[int] = None, interpret: Optional[bool] = None, dequant: Optional[str] = None):
     """Routed experts for many rows (prefill, verify): the same result as ``moe_ops.experts_grouped`` with the
     dequantised weights. Assignments are laid out by expert with every group padded to the row tile; gate+up and
     down are two grouped kernels on that layout; the X slots of a token are gathered back and summed."""
@@ -444,11 +456,12 @@ def moe_grouped(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2
     rw = jnp.zeros((Rp,), _F32).at[pos_A].set(w_TX.reshape(-1).astype(_F32))
     xe, xo = _even_odd(x_TD)
     a = _act(act, beta, linear_beta)
+    kw = dict(interpret=interpret, num_warps=4, dequant=_dequant(dequant))
     h = _grouped_call(tile_e, xe[tok], xo[tok], (w1_packed, w1_scale, w3_packed, w3_scale), None, mode="glu",
-                      act=a, tm=tm, tn=tn1, tk=tk1, out_dtype=x_TD.dtype, interpret=interpret, num_warps=4)
+                      act=a, tm=tm, tn=tn1, tk=tk1, out_dtype=x_TD.dtype, **kw)
     he, ho = _even_odd(h)
     y = _grouped_call(tile_e, he, ho, (w2_packed, w2_scale), rw, mode="down", act=a, tm=tm, tn=tn2, tk=tk2,
-                      out_dtype=_F32, interpret=interpret, num_warps=4)
+                      out_dtype=_F32, **kw)
     return y[pos_A].reshape(T, X, D).sum(axis=1).astype(x_TD.dtype)
 
 
@@ -483,5 +496,5 @@ def routed_experts(experts, z_TD, w_TX, idx_TX, decode: bool, interpret: Optiona
               interpret=interpret)
 
 
-__all__ = ["moe_decode", "DecodeTuning", "DECODE_TUNING", "E2M1X4_PTX", "e2m1_pair_bf16", "moe_grouped", "grouped_matmul", "grouped_glu", "moe_decode_reference",
+__all__ = ["moe_decode", "DecodeTuning", "DECODE_TUNING", "DEFAULT_DEQUANT", "DEQUANT_MODES", "E2M1X4_PTX", "e2m1_pair_bf16", "moe_grouped", "grouped_matmul", "grouped_glu", "moe_decode_reference",
            "moe_grouped_reference", "routed_experts"]

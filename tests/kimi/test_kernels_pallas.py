@@ -228,7 +228,7 @@ def test_ptx_dequant_is_exact_e2m1_for_every_byte_in_every_lane():
 
 @pytest.mark.parametrize("dequant", mm.DEQUANT_MODES)
 def test_mxfp4_pallas_moe_decode_dequant_modes_agree(dequant):
-    """Both dequantisations of the decode kernel give the reference (bf16 activations as served; the kernel's
+    """Both dequantisations, in the decode and the grouped kernels, give the reference (bf16 activations as served; the kernel's
     widening to fp32 is exact, so both modes agree with each other to fp32 rounding)."""
     E, F, D = 6, 256, 256  # tiles of 32 x 128 packed bytes (GPU-sized: >= 4 bytes per thread for the PTX), 2 K steps
     ws = _mx_weights(E, F, D, seed=9)
@@ -236,6 +236,9 @@ def test_mxfp4_pallas_moe_decode_dequant_modes_agree(dequant):
     w, idx = _route(2, 3, E, seed=9)
     ref = mm.moe_decode_reference(x.astype(jnp.float32), w, idx, *ws, "situ", 4.0, 25.0)
     out = mm.moe_decode(x.astype(jnp.float32), w, idx, *ws, "situ", 4.0, 25.0, tn=32, tk=128, dequant=dequant)
+    np.testing.assert_allclose(out, ref, **TOL)
+    out = mm.moe_grouped(x.astype(jnp.float32), w, idx, *ws, "situ", 4.0, 25.0, tm=16, tn=32, tk=128,
+                         dequant=dequant)
     np.testing.assert_allclose(out, ref, **TOL)
     with pytest.raises(ValueError, match="dequant must be one of"):
         mm.moe_decode(x, w, idx, *ws, "situ", 4.0, 25.0, dequant="lut")
@@ -253,7 +256,7 @@ def test_kernels_lower_to_triton_for_gpu():
     def lower(f, *args):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for fn, kw in ((mm.moe_decode, dict(dequant="bits")), (mm.moe_decode, dict(dequant="ptx")), (mm.moe_grouped, {})):
+    for fn, kw in [(f, dict(dequant=d)) for f in (mm.moe_decode, mm.moe_grouped) for d in mm.DEQUANT_MODES]:
         txt = lower(lambda x, w, idx, *ws: fn(x, w, idx, *ws, "situ", 4.0, 25.0, interpret=False, **kw),
                     x, w, idx, *ws)
         assert txt.count("xla.gpu.triton") == 2
@@ -341,11 +344,13 @@ def test_bench_kernels_speed_path_runs_every_variant():
     bk = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bk)
     res = bk.main(["--speed", "--small", "--iters", "2", "--repeats", "1"])
-    assert {"mxfp4_moe", "kda_decode", "kda_verify8", "copy_bw_GBps"} <= set(res)
-    moe = res["mxfp4_moe"]
-    assert {r["dequant"] for r in moe["variants"]} == set(mm.DEQUANT_MODES)
-    assert moe["dequant"] == mm.DECODE_TUNING.dequant and moe["best"] in moe["variants"]
-    for name in ("mxfp4_moe", "kda_decode", "kda_verify8"):
+    assert {"mxfp4_moe", "kda_decode", "kda_verify8", "mxfp4_moe_verify8", "copy_bw_GBps"} <= set(res)
+    for name in ("mxfp4_moe", "mxfp4_moe_verify8"):
+        moe = res[name]
+        assert {r["dequant"] for r in moe["variants"]} == set(mm.DEQUANT_MODES)
+        assert moe["dequant"] == mm.DEFAULT_DEQUANT and moe["best"] in moe["variants"]
+    assert res["mxfp4_moe_verify8"]["shape"]["T"] == 8
+    for name in ("mxfp4_moe", "kda_decode", "kda_verify8", "mxfp4_moe_verify8"):
         for row in res[name]["variants"]:
             assert "error" not in row, row
             assert row["max_abs_err"] < 2e-2 and row["time_us"] > 0 and row["speedup_vs_xla"] > 0
