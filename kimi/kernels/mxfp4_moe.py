@@ -117,8 +117,8 @@ def e2m1_pair_bf16(codes_u8, interpret: bool):
 
 def _load_tile(w_ref, s_ref, e, n0, k_step, tn, kh, dequant="bits", interpret=True):
     """Expert e, output rows [n0, n0 + tn), packed columns [k_step kh, (k_step + 1) kh): the low/high nibble
-    values [tn, kh] in fp32 (times 2**-14 for ``"bits"``, exact for ``"ptx"``: see :func:`_unscale`) and the
-    scales [tn, kh / 16]."""
+    values [tn, kh] (fp32 times 2**-14 for ``"bits"``, exact bf16 for ``"ptx"``: see :func:`_unscale`) and the
+    fp32 scales [tn, kh / 16]."""
     G = kh // (_BLK // 2)
     k0 = pl.multiple_of(k_step * kh, kh)
     g0 = pl.multiple_of(k_step * G, G)
@@ -126,7 +126,7 @@ def _load_tile(w_ref, s_ref, e, n0, k_step, tn, kh, dequant="bits", interpret=Tr
     scale = _e8m0_f32(s_ref[e, pl.ds(n0, tn), pl.ds(g0, G)])
     if dequant == "ptx":
         lo, hi = e2m1_pair_bf16(codes, interpret)
-        return lo.astype(_F32), hi.astype(_F32), scale
+        return lo, hi, scale
     codes = codes.astype(jnp.int32)
     return _e2m1_f32(codes & 15), _e2m1_f32(codes >> 4), scale
 
@@ -166,7 +166,7 @@ def _decode_kernel(idx_ref, x_ref, *refs, X, nw, nk, kh, tn, mode, act, dequant,
         for i, acc in enumerate(accs):
             lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh, dequant,
                                        interpret)
-            p = lo * xe[None, :] + hi * xo[None, :]  # [tn, kh]
+            p = lo.astype(_F32) * xe[None, :] + hi.astype(_F32) * xo[None, :]  # [tn, kh]
             G = scale.shape[-1]
             p = jnp.sum(p.reshape(tn, G, kh // G), axis=-1)  # per scale block
             out.append(acc + jnp.sum(p * scale, axis=-1))
@@ -222,6 +222,8 @@ def _grouped_kernel(te_ref, xe_ref, xo_ref, *refs, nw, nk, kh, tm, tn, mode, act
             for i, acc in enumerate(accs):
                 lo, hi, scale = _load_tile(w_refs[2 * i], w_refs[2 * i + 1], e, n0, k_step, tn, kh, dequant,
                                            interpret)
+                # "ptx": exact bf16 E2M1 times a power of 2 is exact in bf16, so it goes to a bf16 dot unwidened
+                scale = scale.astype(lo.dtype)
                 lo = _scaled(lo, scale, tn, kh).astype(cdt)
                 hi = _scaled(hi, scale, tn, kh).astype(cdt)
                 dims = (((1,), (1,)), ((), ()))

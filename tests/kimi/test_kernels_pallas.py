@@ -126,13 +126,16 @@ def test_mxfp4_pallas_grouped_matmul_ragged(sizes, tm):
     np.testing.assert_allclose(h, g_ref, **TOL)
 
 
-def test_mxfp4_pallas_kernel_dequantises_every_code_exactly():
+@pytest.mark.parametrize("dequant", mm.DEQUANT_MODES)
+def test_mxfp4_pallas_kernel_dequantises_every_code_exactly(dequant):
     """x = identity: each output row is one column of the dequantised weight, so every one of the 256 byte values
-    (both nibbles, signs, -0.0) and a spread of block scales must come out exactly as kimi.mxfp4.dequantize."""
+    (both nibbles, signs, -0.0) and a spread of block scales must come out exactly as kimi.mxfp4.dequantize (for
+    "ptx" the scaling happens in bf16, exact for an E2M1 value times a power of 2)."""
     N, K = 16, 64
     packed = jnp.asarray(np.arange(N * K // 2).reshape(1, N, K // 2) % 256, jnp.uint8)
     scale = jnp.asarray(np.random.default_rng(0).integers(90, 160, (1, N, K // 32)), jnp.uint8)
-    out = mm.grouped_matmul(jnp.eye(K), packed, scale, jnp.array([K], jnp.int32), tm=16, tn=16, tk=32)
+    out = mm.grouped_matmul(jnp.eye(K), packed, scale, jnp.array([K], jnp.int32), tm=16, tn=16, tk=32,
+                            dequant=dequant)
     np.testing.assert_array_equal(out, mxfp4.dequantize(packed, scale)[0].T)
 
 
