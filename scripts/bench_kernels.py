@@ -119,12 +119,13 @@ SMALL_KDA = dict(B=1, H=2, K=32, W=3)
 
 
 # the decode kernel's launch choices timed on a GPU: (dequant, tn, tk, num_warps); the first is the default
-MOE_SWEEP = ((mm.DEFAULT_DEQUANT, mm.DECODE_TUNING.tn, mm.DECODE_TUNING.tk, mm.DECODE_TUNING.num_warps),) + tuple(
+_DECODE_DEFAULT = (mm.DEFAULT_DEQUANT, mm.DECODE_TUNING.tn, mm.DECODE_TUNING.tk, mm.DECODE_TUNING.num_warps)
+MOE_SWEEP = (_DECODE_DEFAULT,) + tuple(
     (d, tn, tk, nw) for d in mm.DEQUANT_MODES
     for tn, tk, nw in ((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 8), (128, 256, 8)))
 # the grouped (prefill / verify) kernels: the dequantisation only; the first is the default
 MOE_GROUPED_SWEEP = ((mm.DEFAULT_DEQUANT,),) + tuple((d,) for d in mm.DEQUANT_MODES)
-KDA_WARPS = (8, 4, 16)  # the first is kda_fused_step's default
+KDA_WARPS = (kd.NUM_WARPS,) + tuple(nw for nw in (4, 8, 16) if nw != kd.NUM_WARPS)  # the default first
 
 
 def _sweep(names, configs, run_one, tol):
@@ -225,8 +226,9 @@ def gpu_bench(iters, repeats, small=False) -> dict:
     for name, fn in (("mxfp4_moe", lambda: bench_moe(copy_bw, iters, repeats, sweep=moe_sweep, **moe)),
                      ("kda_decode", lambda: bench_kda(copy_bw, iters, repeats, **kda)),
                      ("kda_verify8", lambda: bench_kda(copy_bw, max(iters // 4, 5), repeats, T=8, **kda)),
-                     ("mxfp4_moe_verify8", lambda: bench_moe(copy_bw, max(iters // 4, 5), repeats, sweep=MOE_GROUPED_SWEEP,
-                                                             grouped=True, **dict(moe, T=8)))):
+                     ("mxfp4_moe_verify8", lambda: bench_moe(copy_bw, max(iters // 4, 5), repeats,
+                                                             sweep=MOE_GROUPED_SWEEP, grouped=True,
+                                                             **dict(moe, T=8)))):
         try:
             res[name] = fn()
         except Exception as e:  # report and carry on: one failing kernel must not hide the other figures

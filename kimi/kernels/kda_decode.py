@@ -38,6 +38,8 @@ from kimi.kernels.common import compiler_params, use_interpret
 from kimi.ops import kda as kda_ops
 
 _F32 = jnp.float32
+NUM_WARPS = 8
+"""Triton warps per (batch row, head) program by default; ``scripts/bench_kernels.py`` sweeps others on a GPU."""
 
 
 def _sigmoid(x):
@@ -177,7 +179,8 @@ def _kda_call(pre_BTC, w_CK, conv_BWC, a_BTHK, A_log_H, dt_bias_HK, b_BTH, gate_
 
 def kda_fused_step(pre_BTC, w_CK, conv_BWC, a_BTHK, A_log_H, dt_bias_HK, b_BTH, gate_BTHV, norm_w_V, state_BHKV,
                    *, lower_bound: Optional[float], eps_rms: float, eps_l2: float = 1e-6, scale=None,
-                   return_all_states: bool = False, interpret: Optional[bool] = None, num_warps: int = 8):
+                   return_all_states: bool = False, interpret: Optional[bool] = None,
+                   num_warps: int = NUM_WARPS):
     """Fused KDA decode (T = 1) / verify (T > 1) step; the Pallas kernel described in the module docstring.
 
     Args: pre_BTC: the q/k/v projections before the conv, [B, T, 3P] (P = H K); w_CK: conv taps [3P, W+1];

@@ -115,7 +115,7 @@ def e2m1_pair_bf16(codes_u8, interpret: bool):
                                                  result_shape_dtypes=[out])[0] for half in ("lo", "hi"))
 
 
-def _load_tile(w_ref, s_ref, e, n0, k_step, tn, kh, dequant="bits", interpret=True):
+def _load_tile(w_ref, s_ref, e, n0, k_step, tn, kh, dequant, interpret):
     """Expert e, output rows [n0, n0 + tn), packed columns [k_step kh, (k_step + 1) kh): the low/high nibble
     values [tn, kh] (fp32 times 2**-14 for ``"bits"``, exact bf16 for ``"ptx"``: see :func:`_unscale`) and the
     fp32 scales [tn, kh / 16]."""
@@ -498,5 +498,6 @@ def routed_experts(experts, z_TD, w_TX, idx_TX, decode: bool, interpret: Optiona
               interpret=interpret)
 
 
-__all__ = ["moe_decode", "DecodeTuning", "DECODE_TUNING", "DEFAULT_DEQUANT", "DEQUANT_MODES", "E2M1X4_PTX", "e2m1_pair_bf16", "moe_grouped", "grouped_matmul", "grouped_glu", "moe_decode_reference",
+__all__ = ["moe_decode", "moe_grouped", "grouped_matmul", "grouped_glu", "DecodeTuning", "DECODE_TUNING",
+           "DEFAULT_DEQUANT", "DEQUANT_MODES", "E2M1X4_PTX", "e2m1_pair_bf16", "moe_decode_reference",
            "moe_grouped_reference", "routed_experts"]

@@ -1,6 +1,8 @@
 """Pallas kernels (interpret mode on CPU) against their jnp references; Triton lowering for NVIDIA GPUs; the tiny
 model with kernels="pallas" against kernels="xla". Grids are kept small: interpret mode costs per grid step."""
 import dataclasses
+import importlib.util
+import os
 import re
 
 import jax
@@ -11,11 +13,13 @@ import pytest
 from flax import nnx
 
 import kimi
+from jdspark import speculative
 from kimi import mxfp4
 from kimi.kernels import kda_decode as kd
 from kimi.kernels import mxfp4_moe as mm
 from kimi.layers import shape_only_init
 from kimi.ops.activations import glu
+from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -142,7 +146,7 @@ def test_mxfp4_pallas_kernel_dequantises_every_code_exactly(dequant):
 # ---------------------------------------------------------------------------------------------------- the PTX dequant
 def _run_ptx(asm, operands):
     """Run a straight-line PTX block on numpy uint32 arrays: operands ``$0..$n`` (outputs are written into the
-    list), ``.reg`` names local to the block. Only the instructions E2M1X8_PTX uses, each with its PTX ISA
+    list), ``.reg`` names local to the block. Only the instructions E2M1X4_PTX uses, each with its PTX ISA
     semantics: mov/shl/and/or.b32, prmt.b32 (default mode: selector nibble bits 0-2 pick one of the 8 bytes of
     {b, a}, bit 3 replicates that byte's sign bit), fma.rn.bf16x2 (per 16-bit half, exact product and sum rounded
     once to bf16, nearest-even; subnormals kept)."""
@@ -231,8 +235,8 @@ def test_ptx_dequant_is_exact_e2m1_for_every_byte_in_every_lane():
 
 @pytest.mark.parametrize("dequant", mm.DEQUANT_MODES)
 def test_mxfp4_pallas_moe_decode_dequant_modes_agree(dequant):
-    """Both dequantisations, in the decode and the grouped kernels, give the reference (bf16 activations as served; the kernel's
-    widening to fp32 is exact, so both modes agree with each other to fp32 rounding)."""
+    """Both dequantisations, in the decode and the grouped kernels, give the reference (bf16 activations as
+    served; the kernel's widening to fp32 is exact, so both modes agree with each other to fp32 rounding)."""
     E, F, D = 6, 256, 256  # tiles of 32 x 128 packed bytes (GPU-sized: >= 4 bytes per thread for the PTX), 2 K steps
     ws = _mx_weights(E, F, D, seed=9)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((2, D)), jnp.bfloat16)
@@ -339,9 +343,6 @@ def test_model_pallas_kernels_match_xla():
 def test_bench_kernels_speed_path_runs_every_variant():
     """scripts/bench_kernels.py's GPU path (the sweep a device session runs once) on small shapes in interpret
     mode: every variant runs, agrees with the XLA reference, and the report names the default and the fastest."""
-    import importlib.util
-    import os
-
     path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_kernels.py")
     spec = importlib.util.spec_from_file_location("bench_kernels", path)
     bk = importlib.util.module_from_spec(spec)
@@ -365,9 +366,6 @@ def test_generate_with_pallas_kernels_is_lossless_and_matches_xla():
     """jdspark.generate on a kernels="pallas" MXFP4 target runs the kernels inside its one program (the packed
     experts are kept: no serving copy), with drafts that are partly accepted (KDA rollback from the kernel's
     per-position states): the greedy tokens equal plain decoding's and those of the same weights on the XLA path."""
-    from jdspark import speculative
-    from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
-
     kw = dict(expert_format="mxfp4", routed_expert_hidden_size=64)
     cfg_p, cfg_x = kimi.KimiConfig.tiny(kernels="pallas", **kw), kimi.KimiConfig.tiny(kernels="xla", **kw)
     target_p, target_x = scaled_target(cfg_p, 0.05, seed=1), scaled_target(cfg_x, 0.05, seed=1)
