@@ -54,7 +54,7 @@ _STDLIB_SKIP_DIRS = frozenset({"test", "tests", "idlelib", "site-packages", "__p
 
 __all__ = [
     "BOS_ID", "EOS_ID", "MASK_ID", "PAD_ID", "VOCAB_SIZE", "SPECIAL_TOKENS", "VAL_FRACTION",
-    "encode", "decode", "encode_document", "stdlib_dir", "list_files", "split_of", "read_documents",
+    "encode", "decode", "encode_document", "byte_lengths", "stdlib_dir", "list_files", "split_of", "read_documents",
     "Batch", "PackedDataset", "batch_at", "iterate_batches", "validation_batches", "heldout_prompts",
 ]
 
@@ -69,12 +69,31 @@ def encode(text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
     return ids
 
 
-def encode_document(data: bytes) -> np.ndarray:
-    """``BOS + bytes + EOS`` as uint16 ids (the packed stream's storage type)."""
-    out = np.empty(len(data) + 2, np.uint16)
-    out[0] = BOS_ID
-    out[1:-1] = np.frombuffer(data, dtype=np.uint8)
-    out[-1] = EOS_ID
+def encode_document(data: bytes, tokenizer=None) -> np.ndarray:
+    """``BOS + tokens + EOS`` as uint16 ids (the packed stream's storage type): bytes as ids without a
+    ``tokenizer`` (a ``kimi.tokenizer.Tokenizer``), else its ids of the UTF-8 text (invalid bytes -> U+FFFD)."""
+    if tokenizer is None:
+        out = np.empty(len(data) + 2, np.uint16)
+        out[0] = BOS_ID
+        out[1:-1] = np.frombuffer(data, dtype=np.uint8)
+        out[-1] = EOS_ID
+        return out
+    if tokenizer.vocab_size > 1 << 16:
+        raise ValueError(f"tokenizer: {tokenizer.vocab_size} ids do not fit the uint16 packed stream")
+    ids = tokenizer.encode(data.decode("utf-8", errors="replace"), bos=True, eos=True)
+    return np.asarray(ids, np.uint16)
+
+
+def byte_lengths(tokenizer=None, vocab_size: int | None = None) -> np.ndarray:
+    """[V] int32: the bytes each id stands for, special ids counted as 1 (as the byte vocabulary's EOS is), so
+    a loss summed over tokens divided by these lengths is per byte for any vocabulary."""
+    if tokenizer is None:
+        return np.ones(vocab_size or VOCAB_SIZE, np.int32)
+    n = vocab_size or tokenizer.vocab_size
+    out = np.ones(n, np.int32)
+    for i in range(min(n, tokenizer.vocab_size)):
+        if i not in tokenizer.special_ids:
+            out[i] = max(len(tokenizer.token_bytes(i)), 1)
     return out
 
 
@@ -179,12 +198,13 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
 class PackedDataset:
     """Packed, shuffled windows over a list of documents; ``batch(step)`` is a pure function of the step."""
 
-    def __init__(self, docs: Sequence[bytes], *, batch: int, seq_len: int, seed: int = 0, shuffle: bool = True):
+    def __init__(self, docs: Sequence[bytes], *, batch: int, seq_len: int, seed: int = 0, shuffle: bool = True,
+                 tokenizer=None):
         if batch <= 0:
             raise ValueError(f"batch: expected a positive int, got {batch}")
         if seq_len <= 0:
             raise ValueError(f"seq_len: expected a positive int, got {seq_len}")
-        self.docs = [encode_document(d) for d in docs]
+        self.docs = [encode_document(d, tokenizer) for d in docs]
         if not self.docs:
             raise ValueError("PackedDataset: no documents")
         self.batch, self.seq_len, self.seed, self.shuffle = int(batch), int(seq_len), int(seed), bool(shuffle)
@@ -257,11 +277,11 @@ def iterate_batches(*, batch: int, seq_len: int, seed: int = 0, corpus=None, sta
 
 
 def validation_batches(*, batch: int, seq_len: int, num_batches: Optional[int] = None, corpus=None,
-                       seed: int = 1234) -> list[Batch]:
+                       seed: int = 1234, tokenizer=None) -> list[Batch]:
     """A fixed list of packed batches from the validation files (documents in a seeded order, windows in
     stream order, never repeated); ``num_batches=None`` takes all full batches."""
     ds = PackedDataset(read_documents(list_files(corpus, "val")), batch=batch, seq_len=seq_len, seed=seed,
-                       shuffle=False)
+                       shuffle=False, tokenizer=tokenizer)
     # one fixed, seeded document order, then windows in order: every validation window at most once
     order = _rng(seed, 7).permutation(len(ds.docs))
     ds.docs = [ds.docs[i] for i in order]

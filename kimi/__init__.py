@@ -18,3 +18,6 @@ __all__ += ["KimiCache", "KimiForCausalLM", "ModelOut"]
 from kimi.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 __all__ += ["load_checkpoint", "save_checkpoint"]
+from kimi.tokenizer import Tokenizer, load_tokenizer  # noqa: E402
+
+__all__ += ["Tokenizer", "load_tokenizer"]

@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -52,6 +54,7 @@ from kimi import mxfp4
 from kimi.cache import KimiCache
 from kimi.config import KimiConfig
 from kimi.model import KimiForCausalLM
+from kimi.tokenizer import load_tokenizer
 
 PRESETS = ("demo", "tiny")
 
@@ -66,21 +69,29 @@ _CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(KimiConfig)}
 _TRAINING_ONLY_FIELDS = ("kda_prefill",)  # runtime choices made for training, reset to the defaults on export
 
 
-def model_config(preset: str = "demo", **overrides) -> KimiConfig:
-    """The training config: the preset with dense fp32 experts and the byte tokenizer's special ids."""
+def model_config(preset: str = "demo", tokenizer=None, **overrides) -> KimiConfig:
+    """The training config: the preset with dense fp32 experts and the tokenizer's special ids (the byte
+    vocabulary's without one; a ``kimi.tokenizer.Tokenizer`` sets the vocabulary, rounded up to 128)."""
     if preset not in PRESETS:
         raise ValueError(f"preset: expected one of {PRESETS}, got {preset!r}")
     cfg = getattr(KimiConfig, preset)()
     kw = dict(expert_format="dense", param_dtype="float32", bos_token_id=jdata.BOS_ID, eos_token_id=jdata.EOS_ID,
               pad_token_id=jdata.PAD_ID)
+    if tokenizer is not None:
+        for role in ("bos", "eos", "pad"):
+            if getattr(tokenizer, f"{role}_id") is None:
+                raise ValueError(f"tokenizer: no {role} token; the trainer needs bos, eos and pad")
+        kw.update(vocab_size=-(-tokenizer.vocab_size // 128) * 128, bos_token_id=tokenizer.bos_id,
+                  eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
     if "kda_prefill" in _CONFIG_FIELDS:
         # Under grad on XLA:CPU the chunked form is ~2.5x faster than the token scan
         # (measured, demo() at 4 x 512: 1.3 s vs 3.3 s a step); export resets it (inference_config).
         kw["kda_prefill"] = "chunked"
     kw.update(overrides)
     cfg = cfg.replace(**kw)
-    if cfg.vocab_size < jdata.VOCAB_SIZE:
-        raise ValueError(f"vocab_size: {cfg.vocab_size} is smaller than the byte tokenizer's {jdata.VOCAB_SIZE}")
+    need = jdata.VOCAB_SIZE if tokenizer is None else tokenizer.vocab_size
+    if cfg.vocab_size < need:
+        raise ValueError(f"vocab_size: {cfg.vocab_size} is smaller than the tokenizer's {need}")
     return cfg
 
 
@@ -147,13 +158,22 @@ def _eval_step(params, frozen, tokens_BT1, doc_ids_BT1, *, graphdef):
     return loss * n, n, correct
 
 
-def eval_loss(params, frozen, batches: Sequence[jdata.Batch], *, graphdef) -> tuple[float, float]:
-    """Token-weighted (loss, accuracy) over fixed batches."""
-    tot = n = corr = 0.0
+def scored_bytes(b: jdata.Batch, lengths_V: np.ndarray) -> int:
+    """Bytes of the targets ``loss_fn`` scores in ``b`` (``lengths_V``: jdata.byte_lengths)."""
+    mask = b.doc_ids[:, 1:] == b.doc_ids[:, :-1]
+    return int(lengths_V[b.tokens[:, 1:]][mask].sum())
+
+
+def eval_loss(params, frozen, batches: Sequence[jdata.Batch], *, graphdef,
+              lengths_V: Optional[np.ndarray] = None) -> tuple[float, float, float]:
+    """Token-weighted (loss in nats per token, accuracy, bits per byte) over fixed batches; bits per byte is
+    the summed loss over the scored targets' bytes (``lengths_V``; each token one byte when None)."""
+    tot = n = corr = nbytes = 0.0
     for b in batches:
         s, k, c = _eval_step(params, frozen, jnp.asarray(b.tokens), jnp.asarray(b.doc_ids), graphdef=graphdef)
         tot, n, corr = tot + float(s), n + float(k), corr + float(c)
-    return tot / max(n, 1.0), corr / max(n, 1.0)
+        nbytes += float(k) if lengths_V is None else scored_bytes(b, lengths_V)
+    return tot / max(n, 1.0), corr / max(n, 1.0), tot / math.log(2) / max(nbytes, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,7 +248,30 @@ def _restore(mngr, step: int, params, opt_state):
 
 # ---------------------------------------------------------------------------------------------------------------
 # the loop
-_DATA_KEYS = ("preset", "batch", "seq_len", "seed", "corpus", "config_overrides")
+_DATA_KEYS = ("preset", "batch", "seq_len", "seed", "corpus", "config_overrides", "tokenizer")
+_TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")
+
+
+def _tokenizer_digest(path) -> Optional[str]:
+    """SHA-256 over the tokenizer's files (a resumed run must tokenise the same way), or None for bytes."""
+    if not path:
+        return None
+    h = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        f = Path(path) / name
+        if f.is_file():
+            h.update(name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def copy_tokenizer(src, dst) -> None:
+    """The tokenizer's files into an exported checkpoint directory (each via a temporary name)."""
+    for name in _TOKENIZER_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            tmp = Path(dst) / f".{name}.tmp"
+            shutil.copyfile(f, tmp)
+            os.replace(tmp, Path(dst) / name)
 
 
 def _log(msg: str):
@@ -253,13 +296,15 @@ def train(args: argparse.Namespace) -> dict:
     overrides = json.loads(args.config_overrides) if args.config_overrides else {}
     if not isinstance(overrides, dict):
         raise ValueError(f"--config-overrides: expected a JSON object, got {args.config_overrides!r}")
-    cfg = model_config(args.preset, **overrides)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    cfg = model_config(args.preset, tokenizer, **overrides)
     opt = OptConfig(lr=args.lr, steps=args.steps, warmup=args.warmup if args.warmup is not None
                     else max(1, min(200, args.steps // 20)), min_lr_ratio=args.min_lr_ratio,
                     weight_decay=args.weight_decay, clip=args.clip)
     run_info = {"preset": args.preset, "batch": args.batch, "seq_len": args.seq_len, "seed": args.seed,
                 "corpus": str(Path(args.corpus).resolve()) if args.corpus else None,
-                "config_overrides": overrides, "opt": dataclasses.asdict(opt)}
+                "config_overrides": overrides, "opt": dataclasses.asdict(opt),
+                "tokenizer": _tokenizer_digest(args.tokenizer)}
 
     model = build_model(cfg, args.seed)
     graphdef, params, frozen = split_model(model)
@@ -288,9 +333,10 @@ def train(args: argparse.Namespace) -> dict:
         json.dump(dict(run_info, model=cfg.to_hf_config(), trainable_params=n_params, steps=args.steps), f, indent=1)
 
     ds = jdata.PackedDataset(jdata.read_documents(jdata.list_files(args.corpus, "train")), batch=args.batch,
-                             seq_len=args.seq_len, seed=args.seed)
+                             seq_len=args.seq_len, seed=args.seed, tokenizer=tokenizer)
     val = jdata.validation_batches(batch=args.batch, seq_len=args.seq_len, num_batches=args.val_batches,
-                                   corpus=args.corpus) if args.val_batches > 0 else []
+                                   corpus=args.corpus, tokenizer=tokenizer) if args.val_batches > 0 else []
+    lengths_V = jdata.byte_lengths(tokenizer, cfg.vocab_size)
     tok_per_step = args.batch * args.seq_len
     _log(f"[train] {args.preset}: {n_params / 1e6:.2f}M trainable params, {cfg.num_hidden_layers} layers "
          f"({cfg.layer_kinds}), {cfg.num_experts} experts top-{cfg.num_experts_per_token}; data: "
@@ -301,7 +347,7 @@ def train(args: argparse.Namespace) -> dict:
     metrics_f = open(out / "metrics.jsonl", "a")
     losses: list[float] = []
     val_hist: list[tuple[int, float]] = []
-    last_val = (None, None)
+    last_val = (None, None, None)
     t_run = time.perf_counter()
     t_mark = None  # timing excludes the first (compiling) step
     train_time, train_tokens = 0.0, 0
@@ -316,12 +362,12 @@ def train(args: argparse.Namespace) -> dict:
         nonlocal last_val
         if not val:
             return
-        vl, va = eval_loss(params, frozen, val, graphdef=graphdef)
-        last_val = (vl, va)
+        vl, va, bpb = eval_loss(params, frozen, val, graphdef=graphdef, lengths_V=lengths_V)
+        last_val = (vl, va, bpb)
         val_hist.append((s, vl))
-        metrics_f.write(json.dumps({"step": s, "val_loss": vl, "val_acc": va}) + "\n")
+        metrics_f.write(json.dumps({"step": s, "val_loss": vl, "val_acc": va, "val_bits_per_byte": bpb}) + "\n")
         metrics_f.flush()
-        _log(f"[val] step {s}: loss {vl:.4f}  acc {va:.3f}  ({vl / math.log(2):.3f} bits/byte)")
+        _log(f"[val] step {s}: loss {vl:.4f}  acc {va:.3f}  ({bpb:.3f} bits/byte)")
 
     while step < stop:
         b = ds.batch_at(step)
@@ -369,11 +415,15 @@ def train(args: argparse.Namespace) -> dict:
         model = nnx.merge(graphdef, params, frozen)
         q = export_mxfp4(model, args.export, args.export_dtype)
         exported = str(Path(args.export).resolve())
+        if args.tokenizer:
+            copy_tokenizer(args.tokenizer, args.export)
         _log(f"[train] exported {exported} (experts MXFP4)")
         if val:  # the model as shipped: MXFP4 experts
             q_graphdef, q_params, q_frozen = split_model(q)
-            export_val, export_acc = eval_loss(q_params, q_frozen, val, graphdef=q_graphdef)
-            _log(f"[val] exported (MXFP4 experts): loss {export_val:.4f}  acc {export_acc:.3f}")
+            export_val, export_acc, export_bpb = eval_loss(q_params, q_frozen, val, graphdef=q_graphdef,
+                                                           lengths_V=lengths_V)
+            _log(f"[val] exported (MXFP4 experts): loss {export_val:.4f}  acc {export_acc:.3f}  "
+                 f"({export_bpb:.3f} bits/byte)")
     elif args.export:
         _log(f"[train] not exporting: stopped at step {step} before --steps {args.steps}")
 
@@ -382,8 +432,7 @@ def train(args: argparse.Namespace) -> dict:
         "preset": args.preset, "steps": step, "target_steps": args.steps, "start_step": start,
         "train_loss": float(np.mean(losses[-20:])) if losses else None,
         "final_train_loss": losses[-1] if losses else None,
-        "val_loss": last_val[0], "val_acc": last_val[1], "val_bits_per_byte":
-            (last_val[0] / math.log(2) if last_val[0] is not None else None),
+        "val_loss": last_val[0], "val_acc": last_val[1], "val_bits_per_byte": last_val[2],
         "tokens_seen": step * tok_per_step, "tokens_per_s": tps, "wall_s": time.perf_counter() - t_run,
         "trainable_params": n_params, "out": str(out.resolve()), "exported": exported, "export_val_loss": export_val,
         "losses": losses, "val_history": val_hist,
@@ -410,6 +459,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="global-norm gradient clipping")
     p.add_argument("--seed", type=int, default=0, help="initialisation and data order")
     p.add_argument("--corpus", default=None, help="directory of text files (default: the Python stdlib)")
+    p.add_argument("--tokenizer", default=None,
+                   help="directory with tokenizer.json / tiktoken.model (kimi.load_tokenizer; default: bytes); "
+                        "copied into --export")
     p.add_argument("--val-every", type=int, default=200)
     p.add_argument("--val-batches", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=200)
