@@ -299,29 +299,35 @@ WORKLOADS = ("code",)
 
 
 def heldout_prompts(n: int, prompt_len: int, workload: str = "code", *, corpus=None, seed: int = 0,
-                    bos: bool = True, min_continuation: int = 256) -> list[np.ndarray]:
+                    bos: bool = True, min_continuation: int = 256, tokenizer=None) -> list[np.ndarray]:
     """``n`` prompts of exactly ``prompt_len`` token ids cut from the validation files (never trained on) of the
     stdlib corpus (or of ``corpus=DIR``); see ``prompts_from_documents``."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload: expected one of {WORKLOADS}, got {workload!r}")
     return prompts_from_documents(read_documents(list_files(corpus, "val")), n, prompt_len, seed=seed, bos=bos,
-                                  min_continuation=min_continuation)
+                                  min_continuation=min_continuation, tokenizer=tokenizer)
 
 
 def prompts_from_documents(docs: Sequence[bytes], n: int, prompt_len: int, *, seed: int = 0, bos: bool = True,
-                           min_continuation: int = 256) -> list[np.ndarray]:
+                           min_continuation: int = 256, tokenizer=None, continuations: bool = False):
     """``n`` prompts of exactly ``prompt_len`` token ids cut from ``docs`` at line starts.
 
-    Each prompt is ``[BOS] + bytes`` when ``bos`` (else bytes only); it starts at the beginning of a line, not in
-    leading blank space, and at least ``min_continuation`` bytes of the document follow it. Documents are visited
-    round-robin in a seeded order, so prompts come from as many different documents as possible.
+    Each prompt is ``[BOS] + ids`` when ``bos`` (else ids only): the bytes themselves without a ``tokenizer``,
+    else the tokenizer's ids of the text from that line start (its first ``prompt_len - 1`` tokens). It starts at
+    the beginning of a line, not in leading blank space, and at least ``min_continuation`` bytes of the document
+    follow it. Documents are visited round-robin in a seeded order, so prompts come from as many different
+    documents as possible. ``continuations=True`` returns ``(ids, continuation bytes)`` pairs: the rest of the
+    document after the prompt's bytes (the real text a generation can be compared with).
     """
     if n <= 0 or prompt_len <= (1 if bos else 0):
         raise ValueError(f"prompts: need n > 0 and prompt_len > {1 if bos else 0}, got {n}, {prompt_len}")
     body = prompt_len - 1 if bos else prompt_len
+    bos_id = BOS_ID if tokenizer is None else tokenizer.bos_id
     rng = _rng(seed, 11)
-    cands = []  # per file: shuffled usable line starts
+    cands = []  # per file: shuffled usable line starts (enough bytes for a prompt of one byte per token)
     for d in docs:
+        if tokenizer is not None and not _is_utf8(d):
+            continue
         arr = np.frombuffer(d, np.uint8)
         starts = np.concatenate([[0], np.flatnonzero(arr == ord("\n")) + 1])
         ok = starts[(starts + body + min_continuation <= len(d))]
@@ -337,13 +343,39 @@ def prompts_from_documents(docs: Sequence[bytes], n: int, prompt_len: int, *, se
         for fi in order:
             d, starts = cands[fi]
             if r < len(starts):
-                s = int(starts[r])
-                ids = np.frombuffer(d[s:s + body], np.uint8).astype(np.int32)
-                out.append(np.concatenate([[BOS_ID], ids]).astype(np.int32) if bos else ids)
                 progressed = True
+                cut = _cut_prompt(d, int(starts[r]), body, min_continuation, tokenizer)
+                if cut is None:
+                    continue
+                ids, end = cut
+                ids = np.concatenate([[bos_id], ids]).astype(np.int32) if bos else ids
+                out.append((ids, d[end:]) if continuations else ids)
                 if len(out) == n:
                     break
         if not progressed:
             raise ValueError(f"only {len(out)} distinct prompts of {prompt_len} tokens in the documents")
         r += 1
     return out
+
+
+def _is_utf8(d: bytes) -> bool:
+    try:
+        d.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _cut_prompt(d: bytes, s: int, body: int, min_continuation: int, tokenizer):
+    """(``body`` ids from byte ``s`` of ``d``, the byte offset where they end), or None when fewer than
+    ``min_continuation`` bytes would follow."""
+    if tokenizer is None:
+        return np.frombuffer(d[s:s + body], np.uint8).astype(np.int32), s + body
+    window = d[s:s + 16 * body + 64]
+    while window and not _is_utf8(window):  # the window's end cut a character
+        window = window[:-1]
+    ids = tokenizer.encode(window.decode("utf-8"))[:body]
+    end = s + sum(len(tokenizer.token_bytes(i)) for i in ids)
+    if len(ids) < body or end + min_continuation > len(d):
+        return None
+    return np.asarray(ids, np.int32), end
