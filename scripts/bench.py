@@ -1,16 +1,23 @@
-"""Plain decoding vs DSpark on the shipped default pair, side by side in one run, per workload.
+"""Plain decoding vs DSpark on the shipped default pair, side by side in one run, per workload, greedy and sampled.
 
   python scripts/bench.py --json                    # workloads code / structured / prose
   python scripts/bench.py --corpus DIR --json       # prompts cut from your own text files
+  python scripts/bench.py --json --plot bench.png   # and the chart: speedup against per-token acceptance
 
-Batch 1, greedy, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes
-run the same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts). Throughput is of the decode phase (each prompt's prefill,
-timed alone, is subtracted); end-to-end figures are reported beside it (``e2e_*``). Reports tokens/s of each, the speedup, accept_len (tokens per target
-step), per-position acceptance, and the cost model's prediction from the measured acceptance: tokens per step over
-(v + r), with r = the measured drafter pass over the measured plain decode step and v = the measured verify pass
-over a decode step (``predicted_speedup``), and with v = 1 as seed 000 assumes for a memory-bound accelerator
-(``predicted_speedup_verify_as_one_step``). The top-level fields describe the
-code workload (or the ``--corpus`` directory); ``workloads`` holds each one.
+Batch 1, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes run the
+same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts). Each
+workload has two rows: ``greedy`` and ``sampled`` (temperature ``--temperature`` 1, top-p ``--top-p`` 0.95, one
+fixed seed per prompt, the same seed for plain decoding and DSpark). Throughput is of the decode phase (each
+prompt's prefill, timed alone, is subtracted); end-to-end figures are reported beside it (``e2e_*``). A row holds
+tokens/s of each mode, the speedup, accept_len (tokens per target step), per-position acceptance, and how
+degenerate the plain output is (``run_share``, ``distinct8``, ``repeat_lines``: jdspark.textstats) next to the
+same figures of the real continuation of each prompt in its file, cut to the same length in bytes
+(``reference``): acceptance is only worth reading on text that looks like real output. The cost model's
+prediction from the measured acceptance: tokens per step over (v + r), with r = the measured drafter pass over
+the measured plain decode step and v = the measured verify pass over a decode step (``predicted_speedup``), and
+with v = 1 as seed 000 assumes for a memory-bound accelerator (``predicted_speedup_verify_as_one_step``).
+``bits_per_byte``: the target on the held-out split of its training corpus. The top-level fields describe the
+code workload's greedy row (or the ``--corpus`` directory's).
 """
 
 from __future__ import annotations
@@ -86,27 +93,30 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
-def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3) -> dict:
+def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seeds=None) -> dict:
     """Decode-phase throughput of both modes: each prompt's prefill (timed alone, as a 1-token generation) is
     subtracted from its full generation, so the figures compare decoding, not prompt processing. End-to-end
     figures (prefill included) are reported too. Every (prompt, mode) is timed ``repeats`` times, the modes
-    interleaved, and the fastest run counts: the noise of a shared machine only ever adds time, to either mode."""
+    interleaved, and the fastest run counts: the noise of a shared machine only ever adds time, to either mode.
+    Prompt ``i`` samples with seed ``seeds[i]`` in both modes. Also returns the plain outputs' ids (``_outputs``)."""
     import jdspark
 
-    kw = dict(eos_token_id=-1)  # fixed length: every prompt yields max_new tokens
+    seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+    kw = dict(eos_token_id=-1, temperature=temperature, top_p=top_p)  # fixed length: max_new tokens each
     for d in (None, drafter):  # compile + warm-up of both programs (excluded)
-        jdspark.generate(target, d, prompts[0], max_new_tokens=max_new, **kw)
-        jdspark.generate(target, d, prompts[0], max_new_tokens=1, **kw)
+        jdspark.generate(target, d, prompts[0], max_new_tokens=max_new, seed=seeds[0], **kw)
+        jdspark.generate(target, d, prompts[0], max_new_tokens=1, seed=seeds[0], **kw)
     t = {"ar": 0.0, "spec": 0.0, "ar_pre": 0.0, "spec_pre": 0.0}
     n_new = steps = accepted = mismatches = 0
-    counts = None
-    for p in prompts:
+    counts, outputs = None, []
+    for p, seed in zip(prompts, seeds):
         best = {k: float("inf") for k in t}
         for _ in range(repeats):
             for name, d in (("ar", None), ("spec", drafter)):
-                best[name + "_pre"] = min(best[name + "_pre"],
-                                          _timed(lambda: jdspark.generate(target, d, p, max_new_tokens=1, **kw))[0])
-                dt, out = _timed(lambda: jdspark.generate(target, d, p, max_new_tokens=max_new, **kw))
+                best[name + "_pre"] = min(best[name + "_pre"], _timed(lambda: jdspark.generate(
+                    target, d, p, max_new_tokens=1, seed=seed, **kw))[0])
+                dt, out = _timed(lambda: jdspark.generate(target, d, p, max_new_tokens=max_new, seed=seed, **kw))
                 best[name] = min(best[name], dt)
                 if name == "ar":
                     ar_tokens = out.tokens
@@ -120,13 +130,94 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3) -> di
         accepted += int(sp.stats.accepted)
         c = np.asarray(sp.stats.accept_counts, np.int64)
         counts = c if counts is None else counts + c
+        outputs.append(np.asarray(ar_tokens))
     ar_dec, sp_dec = t["ar"] - t["ar_pre"], t["spec"] - t["spec_pre"]
     total = len(prompts) * max_new
-    return {"prompts": len(prompts), "new_tokens": max_new, "repeats": repeats, "ar_tok_s": n_new / ar_dec,
-            "spec_tok_s": n_new / sp_dec, "speedup": ar_dec / sp_dec, "accept_len": (accepted + steps) / steps,
-            "per_position_accept": (counts / steps).tolist(), "greedy_mismatches": mismatches,
-            "e2e_ar_tok_s": total / t["ar"], "e2e_spec_tok_s": total / t["spec"], "e2e_speedup": t["ar"] / t["spec"],
-            "loop_step_over_decode_step": (sp_dec / steps) / (ar_dec / n_new), "ar_step_s": ar_dec / n_new}
+    row = {"prompts": len(prompts), "new_tokens": max_new, "repeats": repeats, "temperature": temperature,
+           "top_p": top_p, "ar_tok_s": n_new / ar_dec, "spec_tok_s": n_new / sp_dec, "speedup": ar_dec / sp_dec,
+           "accept_len": (accepted + steps) / steps, "per_position_accept": (counts / steps).tolist(),
+           "e2e_ar_tok_s": total / t["ar"], "e2e_spec_tok_s": total / t["spec"], "e2e_speedup": t["ar"] / t["spec"],
+           "loop_step_over_decode_step": (sp_dec / steps) / (ar_dec / n_new), "ar_step_s": ar_dec / n_new,
+           "_outputs": outputs}
+    if temperature == 0:  # greedy DSpark must be plain decoding, token for token
+        row["greedy_mismatches"] = mismatches
+    return row
+
+
+def degeneracy_figures(tokenizer, outputs, continuations) -> dict:
+    """The plain outputs' degeneracy, and the real continuations' cut to each output's length in bytes."""
+    from jdspark import textstats
+
+    texts = [tokenizer.decode_bytes(o) for o in outputs]
+    fig = textstats.mean_degeneracy(texts)
+    fig["reference"] = textstats.mean_degeneracy([c[:len(t)] for t, c in zip(texts, continuations)])
+    return fig
+
+
+def heldout_bits_per_byte(target, tokenizer, corpus=None, seq_len: int = 512, batches: int = 16) -> float:
+    from jdspark import data as jdata
+    from jdspark.evaluate import bits_per_byte
+
+    val = jdata.validation_batches(batch=4, seq_len=seq_len, num_batches=batches, corpus=corpus, tokenizer=tokenizer)
+    return bits_per_byte(target, val, jdata.byte_lengths(tokenizer, target.config.vocab_size))
+
+
+def plot(result: dict, path: str) -> None:
+    """Speedup against per-token acceptance p: the cost model with this run's measured r and v, and with the seed's
+    r = 0.1, v = 1; the seed's anchors; this run's measured points per workload and row. Per-position acceptance
+    beside it. Written to a temporary name, then renamed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jdspark import costmodel
+
+    G = result["block_size"]
+    ps = np.linspace(0.0, 0.999, 200)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
+    code = next(iter(result["workloads"].values()))["greedy"]
+    r, v = code["r_draft_over_step"], code["v_verify_over_step"]
+    ax.plot(ps, [costmodel.expected_tokens_per_step(p, G) / (v + r) for p in ps], "k-",
+            label=f"cost model, this machine (r={r:.2f}, v={v:.2f})")
+    ax.plot(ps, [costmodel.speedup(p, G, costmodel.DEFAULT_R) for p in ps], "k--",
+            label=f"cost model, seed (r={costmodel.DEFAULT_R}, v=1)")
+    for s, name in zip(costmodel.DEFAULT_SPEEDUPS, ("vLLM blog 370 tok/s", "vLLM peak 464 tok/s")):
+        p = costmodel.p_from_speedup(s, costmodel.DEFAULT_GAMMA, costmodel.DEFAULT_R)  # the seed's gamma 7
+        ax.plot([p], [s], "*", ms=15, color="gold", mec="k", label=f"seed anchor {s:.2f}x ({name})")
+    markers = {"greedy": "o", "sampled": "s"}
+    for wi, (w, rows) in enumerate(result["workloads"].items()):
+        for mode, row in rows.items():
+            if not isinstance(row, dict) or "accept_len" not in row:
+                continue
+            p = _p_from_accept_len(row["accept_len"], G)
+            ax.plot([p], [row["speedup"]], markers[mode], color=f"C{wi}", ms=9,
+                    label=f"{w} {mode}: accept_len {row['accept_len']:.2f}, {row['speedup']:.2f}x")
+            bx.plot(range(1, G + 1), row["per_position_accept"], marker=markers[mode], color=f"C{wi}",
+                    ls="-" if mode == "greedy" else ":", label=f"{w} {mode}")
+    ax.set(xlabel="per-token acceptance p", ylabel="speedup over plain decoding", xlim=(0, 1), ylim=(0, G + 1),
+           title=f"DSpark speedup vs acceptance (block {G}, {result['backend']})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    bx.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="per-position acceptance")
+    bx.grid(alpha=0.3)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _p_from_accept_len(accept_len: float, G: int) -> float:
+    """The constant per-token acceptance p whose expected tokens per step (gamma = G) equal ``accept_len``."""
+    from jdspark import costmodel
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if costmodel.expected_tokens_per_step(mid, G) < accept_len else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def main(argv=None) -> int:
@@ -139,51 +230,72 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per (prompt, mode), interleaved; the "
                     "fastest counts (a shared machine's noise only adds time: more runs, a steadier ratio)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="prompt choice; prompt i samples with seed 1000*seed + i")
+    ap.add_argument("--temperature", type=float, default=1.0, help="the sampled rows' temperature")
+    ap.add_argument("--top-p", type=float, default=0.95, help="the sampled rows' nucleus")
+    ap.add_argument("--no-sampled", action="store_true", help="greedy rows only")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=None,
                     help="the matmul weights' dtype in both modes (default: generate.DEFAULT_SERVING_DTYPE)")
+    ap.add_argument("--plot", default=None, help="write the speedup-vs-acceptance chart to this PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens and --repeats must be positive")
+    if a.temperature <= 0 or not 0 < a.top_p <= 1:
+        ap.error("--temperature must be > 0 and --top-p in (0, 1]")
 
     import generate as gen
     from jdspark import costmodel, workloads
     from jdspark import data as jdata
 
-    target, drafter, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR, a.serving_dtype or gen.DEFAULT_SERVING_DTYPE)
+    ckpt = a.checkpoint or gen.DEFAULT_DIR
+    target, drafter, note = gen.load_pair(ckpt, a.serving_dtype or gen.DEFAULT_SERVING_DTYPE)
     print(f"[bench] {note}", file=sys.stderr)
     if drafter is None:
         raise SystemExit("bench: the checkpoint has no drafter/")
+    tokenizer = gen.load_tokenizer(ckpt, target.config)
     if a.corpus:
         sources = {"corpus": workloads.documents_from_dir(a.corpus)}
     else:
         sources = {w: workloads.documents(w) for w in a.workloads}
     passes = None
-    result = {"backend": __import__("jax").default_backend(), "checkpoint": note,
-              "block_size": drafter.config.block_size, "serving_dtype": target.config.serving_dtype, "workloads": {}}
+    result = {"backend": __import__("jax").default_backend(), "checkpoint": note, "tokenizer": tokenizer.kind,
+              "block_size": drafter.config.block_size, "serving_dtype": target.config.serving_dtype,
+              "bits_per_byte": heldout_bits_per_byte(target, tokenizer, a.corpus), "workloads": {}}
+    print(f"[bench] held-out bits per byte {result['bits_per_byte']:.3f}", file=sys.stderr)
+    rows = [("greedy", 0.0, 1.0)] + ([] if a.no_sampled else [("sampled", a.temperature, a.top_p)])
     for name, docs in sources.items():
-        prompts = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed)
+        cut = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed, tokenizer=tokenizer,
+                                           continuations=True)
+        prompts, conts = [c[0] for c in cut], [c[1] for c in cut]
         if passes is None:  # once, on the first workload's first prompt
             passes = _pass_seconds(target, drafter, prompts[0], a.max_new_tokens)
-        r = run_workload(target, drafter, prompts, a.max_new_tokens, a.repeats)
-        step_s = r.pop("ar_step_s")
-        r["r_draft_over_step"] = passes["draft"] / step_s
-        r["v_verify_over_step"] = passes["verify"] / passes["decode"]
-        r["predicted_speedup"] = costmodel.speedup_from_per_position(r["per_position_accept"], r["r_draft_over_step"],
-                                                                    r["v_verify_over_step"])
-        r["predicted_speedup_verify_as_one_step"] = costmodel.speedup_from_per_position(
-            r["per_position_accept"], r["r_draft_over_step"])
-        result["workloads"][name] = r
-        print(f"[bench] {name:10s} accept_len {r['accept_len']:.2f}  AR {r['ar_tok_s']:.1f} tok/s  "
-              f"DSpark {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  "
-              f"(cost model {r['predicted_speedup']:.2f}x with the measured verify = {r['v_verify_over_step']:.2f} "
-              f"decode steps; {r['predicted_speedup_verify_as_one_step']:.2f}x if a verify cost one step; a whole "
-              f"DSpark step costs {r['loop_step_over_decode_step']:.2f} decode steps in the loop)",
-              file=sys.stderr)
+        result["workloads"][name] = {}
+        for mode, temp, top_p in rows:
+            r = run_workload(target, drafter, prompts, a.max_new_tokens, a.repeats, temperature=temp, top_p=top_p,
+                             seeds=[1000 * a.seed + i for i in range(len(prompts))])
+            r.update(degeneracy_figures(tokenizer, r.pop("_outputs"), conts))
+            step_s = r.pop("ar_step_s")
+            r["r_draft_over_step"] = passes["draft"] / step_s
+            r["v_verify_over_step"] = passes["verify"] / passes["decode"]
+            r["predicted_speedup"] = costmodel.speedup_from_per_position(
+                r["per_position_accept"], r["r_draft_over_step"], r["v_verify_over_step"])
+            r["predicted_speedup_verify_as_one_step"] = costmodel.speedup_from_per_position(
+                r["per_position_accept"], r["r_draft_over_step"])
+            result["workloads"][name][mode] = r
+            print(f"[bench] {name:10s} {mode:7s} accept_len {r['accept_len']:.2f}  AR {r['ar_tok_s']:.1f} tok/s  "
+                  f"DSpark {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  plain output: run_share "
+                  f"{r['run_share']:.2f} distinct8 {r['distinct8']:.2f} repeat_lines {r['repeat_lines']:.2f} "
+                  f"(real text: {r['reference']['run_share']:.2f} / {r['reference']['distinct8']:.2f} / "
+                  f"{r['reference']['repeat_lines']:.2f}); cost model {r['predicted_speedup']:.2f}x with the "
+                  f"measured verify = {r['v_verify_over_step']:.2f} decode steps, a whole DSpark step costs "
+                  f"{r['loop_step_over_decode_step']:.2f}", file=sys.stderr)
     top = result["workloads"]["corpus" if a.corpus else ("code" if "code" in sources else next(iter(sources)))]
     for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "per_position_accept", "predicted_speedup"):
-        result[k] = top[k]
+        result[k] = top["greedy"][k]
+    if a.plot:
+        plot(result, a.plot)
+        print(f"[bench] chart written to {a.plot}", file=sys.stderr)
     if a.json:
         print(json.dumps(result, separators=(",", ":")))
     return 0

@@ -6,7 +6,8 @@ generations), not only the training text.
 
 Prompts are cut from the training split of the stdlib corpus (or of ``--corpus DIR``), never from the held-out
 files bench.py measures on. Each file is the prompt followed by the target's continuation (plain decoding: greedy
-and sampled at the given temperatures in turn); special tokens are dropped. Files are written whole
+and sampled at the given temperatures in turn, T > 0 with nucleus ``--top-p``, so the drafter meets the text
+sampled serving produces); special tokens are dropped. Files are written whole
 (temporary name, then rename).
 """
 
@@ -31,7 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=400)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperatures", default="0,0.7", help="comma-separated; prompts cycle through them")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated; prompts cycle through them")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus for the sampled continuations (T > 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
         ap.error(f"--temperatures: expected comma-separated numbers, got {a.temperatures!r}")
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or any(t < 0 for t in temps):
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens must be positive and temperatures >= 0")
+    if not 0 < a.top_p <= 1:
+        ap.error(f"--top-p: expected 0 < p <= 1, got {a.top_p}")
 
     import numpy as np
 
@@ -48,17 +52,19 @@ def main(argv=None) -> int:
     import jdspark
     from jdspark import data as jdata
 
-    target, _, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR)
+    ckpt = a.checkpoint or gen.DEFAULT_DIR
+    target, _, note = gen.load_pair(ckpt)
+    tokenizer = gen.load_tokenizer(ckpt, target.config)
     print(f"[distill] {note}", file=sys.stderr)
     docs = jdata.read_documents(jdata.list_files(a.corpus, "train"))
-    prompts = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed)
+    prompts = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed, tokenizer=tokenizer)
     os.makedirs(a.out, exist_ok=True)
     t0, n_tok = time.time(), 0
     for i, p in enumerate(prompts):
-        out = jdspark.generate(target, None, p, max_new_tokens=a.max_new_tokens, temperature=temps[i % len(temps)],
-                               seed=a.seed * 100_003 + i)
-        ids = np.concatenate([p, out.tokens])
-        text = bytes(int(t) for t in ids if 0 <= int(t) < 256)
+        temp = temps[i % len(temps)]
+        out = jdspark.generate(target, None, p, max_new_tokens=a.max_new_tokens, temperature=temp,
+                               top_p=a.top_p if temp > 0 else 1.0, seed=a.seed * 100_003 + i)
+        text = tokenizer.decode_bytes(np.concatenate([p, out.tokens]))  # special tokens dropped
         path = os.path.join(a.out, f"gen_{i:05d}.txt")
         with open(path + ".tmp", "wb") as f:
             f.write(text)

@@ -53,33 +53,35 @@ def load_pair(ckpt_dir: str, serving_dtype: str = DEFAULT_SERVING_DTYPE):
     return target, drafter, f"no checkpoint at {ckpt_dir}: using an UNTRAINED random demo() pair"
 
 
-def encode(text: str, cfg) -> np.ndarray:
-    ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32)
-    if ids.size and ids.max() >= cfg.vocab_size:
-        raise ValueError("prompt: the model's vocabulary is not byte-level")
-    return np.concatenate([[cfg.bos_token_id], ids]).astype(np.int32)
+def load_tokenizer(ckpt_dir: str, cfg):
+    """The target's tokenizer (``kimi.load_tokenizer`` of ``ckpt_dir/target``: tokenizer.json, tiktoken.model, or
+    the byte vocabulary when it ships neither), checked against the model's vocabulary and special ids."""
+    import kimi
+
+    tdir = os.path.join(ckpt_dir, "target")
+    tok = kimi.load_tokenizer(tdir if os.path.isdir(tdir) else ckpt_dir, vocab_size=cfg.vocab_size)
+    if tok.bos_id != cfg.bos_token_id:
+        raise ValueError(f"tokenizer: bos id {tok.bos_id} differs from the model's bos_token_id {cfg.bos_token_id}")
+    return tok
 
 
-def decode_bytes(ids, cfg) -> bytes:
-    return bytes(int(t) for t in ids if 0 <= int(t) < 256)
+def encode(text: str, tokenizer) -> np.ndarray:
+    """``[BOS] + ids`` of the prompt text."""
+    return np.asarray(tokenizer.encode(text, bos=True), np.int32)
 
 
 class _Streamer:
-    """Prints committed tokens as UTF-8 text, holding back incomplete multi-byte characters."""
+    """Prints committed tokens as text, holding back bytes that do not yet form a character."""
 
-    def __init__(self, cfg):
-        self.cfg, self.buf = cfg, b""
+    def __init__(self, tokenizer):
+        self.dec = tokenizer.incremental_decoder()
 
     def __call__(self, ids):
-        self.buf += decode_bytes(ids, self.cfg)
-        text = self.buf.decode("utf-8", errors="ignore")
-        keep = len(self.buf) - len(text.encode("utf-8"))
-        if keep <= 0 or keep > 3:
-            self.buf = b""
-        else:
-            self.buf = self.buf[-keep:]
-        sys.stdout.write(text)
+        sys.stdout.write(self.dec.add(np.asarray(ids).reshape(-1)))
         sys.stdout.flush()
+
+    def close(self):
+        sys.stdout.write(self.dec.flush())
 
 
 def main(argv=None) -> int:
@@ -112,14 +114,16 @@ def main(argv=None) -> int:
     print(f"[jdspark] {note}", file=sys.stderr)
     if a.no_draft:
         drafter = None
-    cfg = target.config
-    ids = encode(prompt, cfg)
+    tokenizer = load_tokenizer(a.checkpoint, target.config)
+    ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
               seed=a.seed)
 
     sys.stdout.write(prompt)
     sys.stdout.flush()
-    streamed = jdspark.generate(target, drafter, ids, stream=_Streamer(cfg), **kw)
+    streamer = _Streamer(tokenizer)
+    streamed = jdspark.generate(target, drafter, ids, stream=streamer, **kw)
+    streamer.close()
     sys.stdout.write("\n")
     result = {"mode": "ar" if drafter is None else "dspark", "new_tokens": streamed.num_tokens,
               "stats": streamed.stats.as_dict()}
@@ -142,7 +146,9 @@ def main(argv=None) -> int:
             s = runs["dspark"]["stats"]
             result.update(spec_tok_s=runs["dspark"]["tok_s"], speedup=runs["dspark"]["tok_s"] / runs["ar"]["tok_s"],
                           accept_len=s["accept_len"], per_position_accept=s["per_position_accept"])
-    lines = [f"mode {result['mode']}, {result['new_tokens']} new tokens"]
+    how = "greedy" if a.temperature == 0 else (f"sampled: temperature {a.temperature}, top-k {a.top_k or 'off'}, "
+                                               f"top-p {a.top_p}, seed {a.seed}")
+    lines = [f"mode {result['mode']}, {result['new_tokens']} new tokens ({how}; {tokenizer.kind} tokenizer)"]
     st = result["stats"]
     if drafter is not None:
         pp = " ".join(f"{x:.2f}" for x in st["per_position_accept"])

@@ -32,12 +32,15 @@ from jdspark import data as jdata
 from jdspark import train as jt
 
 
-def build_drafter(target, a) -> jdspark.DSparkDrafter:
+def build_drafter(target, a, tokenizer) -> jdspark.DSparkDrafter:
+    """A fresh drafter for ``target``; its mask token is the tokenizer's (``<mask>``)."""
     cfg = target.config
+    if tokenizer.mask_id is None:
+        raise ValueError("the target's tokenizer has no mask token (<mask>) for the drafter's block slots")
     L = cfg.num_hidden_layers
     taps = tuple(int(t) for t in a.taps.split(",")) if a.taps else (1, L // 2, L - 1)
     dc = jdspark.DSparkConfig.for_target(cfg, block_size=a.block_size, num_hidden_layers=a.layers,
-                                         markov_rank=a.markov_rank, mask_token_id=jdata.MASK_ID,
+                                         markov_rank=a.markov_rank, mask_token_id=tokenizer.mask_id,
                                          aux_hidden_state_layer_ids=taps, num_attention_heads=a.heads,
                                          intermediate_size=a.intermediate or 2 * cfg.hidden_size)
     return jdspark.DSparkDrafter(dc, target=target, rngs=nnx.Rngs(a.seed))
@@ -47,7 +50,8 @@ def train(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     target = kimi.load_checkpoint(a.target)
-    drafter = build_drafter(target, a)
+    tokenizer = kimi.load_tokenizer(a.target, vocab_size=target.config.vocab_size)
+    drafter = build_drafter(target, a, tokenizer)
     t_graph, t_state = nnx.split(target)
     d_graph, params, rest = jt.split_drafter(drafter)
     opt = jt.OptConfig(lr=a.lr, steps=a.steps, warmup=min(100, a.steps // 20 + 1), min_lr_ratio=0.1,
@@ -60,8 +64,9 @@ def train(a) -> dict:
         start = int(meta["step"])
         print(f"[train_drafter] resumed at step {start}", file=sys.stderr)
     ds = jdata.PackedDataset(jdata.read_documents(jdata.list_files(a.corpus, "train")), batch=a.batch,
-                             seq_len=a.seq_len, seed=a.seed)
-    val = jdata.validation_batches(batch=a.batch, seq_len=a.seq_len, num_batches=a.val_batches, corpus=a.corpus)
+                             seq_len=a.seq_len, seed=a.seed, tokenizer=tokenizer)
+    val = jdata.validation_batches(batch=a.batch, seq_len=a.seq_len, num_batches=a.val_batches, corpus=a.corpus,
+                                   tokenizer=tokenizer)
     kw = dict(d_graph=d_graph, t_graph=t_graph, num_anchors=a.anchors, loss=a.loss)
 
     def evaluate(params):

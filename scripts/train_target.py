@@ -49,6 +49,7 @@ import optax
 from flax import nnx
 
 from jdspark import data as jdata
+from jdspark.evaluate import token_nll
 from jdspark.train import OptConfig, ckpt_manager as _ckpt_manager, make_optimizer, restore_state, save_state
 from kimi import mxfp4
 from kimi.cache import KimiCache
@@ -124,14 +125,10 @@ def loss_fn(params, frozen, tokens_BT1, doc_ids_BT1, *, graphdef):
     T = T1 - 1
     cache = KimiCache.init(cfg, B, T)
     out = model.forward(tokens_BT1[:, :-1], cache, mode="prefill")
-    logits_BTV = out.logits.astype(jnp.float32)
-    tgt_BT = tokens_BT1[:, 1:]
-    mask_BT = (doc_ids_BT1[:, 1:] == doc_ids_BT1[:, :-1]).astype(jnp.float32)  # no EOS -> next BOS
-    logz = jax.nn.logsumexp(logits_BTV, axis=-1)
-    nll_BT = logz - jnp.take_along_axis(logits_BTV, tgt_BT[..., None], axis=-1)[..., 0]
+    nll_BT, mask_BT, correct_BT = token_nll(out.logits, tokens_BT1, doc_ids_BT1)  # no EOS -> next BOS
     n = jnp.maximum(mask_BT.sum(), 1.0)
     loss = (nll_BT * mask_BT).sum() / n
-    correct = ((jnp.argmax(logits_BTV, -1) == tgt_BT) * mask_BT).sum()
+    correct = (correct_BT * mask_BT).sum()
     return loss, (mask_BT.sum(), correct)
 
 
