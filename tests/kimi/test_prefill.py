@@ -1,0 +1,67 @@
+"""Chunked prefill equals a one-pass prefill: logits, taps and the cache, for chunk sizes that do and do not divide
+the prompt, on tiny K3 (AttnRes, MLA + KDA) and tiny Kimi-Linear (plain residual) configs, with padded rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kimi
+from kimi.prefill import chunked_positions, prefill_chunked
+
+T = 37
+CONFIGS = {"k3": dict(), "kimi_linear": dict(attn_res_block_size=None)}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request):
+    return kimi.KimiForCausalLM(kimi.KimiConfig.tiny(**CONFIGS[request.param]), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def one_pass(model):
+    toks = jax.random.randint(jax.random.key(3), (2, T), 0, model.config.vocab_size)
+    valid = jnp.array([T, 29])
+    out = model.forward(toks, model.init_cache(2, 64), mode="prefill", tap_layers=(1, 3), valid_len_B=valid)
+    return toks, valid, out
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 37, 64])
+def test_chunked_prefill_equals_one_pass(model, one_pass, chunk):
+    toks, valid, ref = one_pass
+    fn = jax.jit(lambda t, c, v: prefill_chunked(model, t, c, chunk=chunk, tap_layers=(1, 3), valid_len_B=v,
+                                                 all_logits=True))
+    logits, cache, taps = fn(toks, model.init_cache(2, 64 + chunk), valid)
+    for b, n in enumerate(np.asarray(valid)):
+        np.testing.assert_allclose(logits[b, :n], ref.logits[b, :n], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(taps[b, :n], ref.taps[b, :n], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(cache.length, ref.cache.length)
+    np.testing.assert_allclose(cache.kda_state, ref.cache.kda_state, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(cache.conv_state, ref.cache.conv_state, atol=1e-5, rtol=0)
+    for b, n in enumerate(np.asarray(valid)):
+        np.testing.assert_allclose(cache.mla_ckv[:, b, :n], ref.cache.mla_ckv[:, b, :n], atol=1e-4, rtol=0)
+    # the last-token logits a generation starts from
+    last, _, _ = jax.jit(lambda t, c, v: prefill_chunked(model, t, c, chunk=chunk, valid_len_B=v))(
+        toks, model.init_cache(2, 64 + chunk), valid)
+    for b, n in enumerate(np.asarray(valid)):
+        np.testing.assert_allclose(last[b], ref.logits[b, n - 1], atol=1e-4, rtol=0)
+
+
+def test_one_compiled_body_for_any_number_of_chunks(model):
+    """The chunk loop is a scan: the lowered program has one forward whatever T is."""
+    def n_dots(T_):
+        toks = jnp.zeros((1, T_), jnp.int32)
+        hlo = jax.jit(lambda t, c: prefill_chunked(model, t, c, chunk=8)[0]).lower(
+            toks, model.init_cache(1, 256)).as_text()
+        return hlo.count("dot_general")
+    assert n_dots(16) == n_dots(128)
+
+
+def test_cache_too_small_for_the_last_chunk_is_an_error(model):
+    toks = jnp.zeros((1, 20), jnp.int32)
+    assert chunked_positions(20, 8) == 24
+    with pytest.raises(ValueError, match="max_len=20"):
+        prefill_chunked(model, toks, model.init_cache(1, 20), chunk=8)
+    with pytest.raises(ValueError, match="chunk"):
+        chunked_positions(20, 0)
