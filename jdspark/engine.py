@@ -1,0 +1,268 @@
+"""The serving engine's host side: requests, a bounded waiting queue, slots, streaming, stop conditions, metrics.
+
+A ``Backend`` owns the device state of S slots and runs the model (``insert`` a prompt into a free slot,
+``step`` every active slot once, ``free`` a slot). The ``Engine`` runs one host thread that
+
+    admits waiting requests into free slots (FIFO; the queue is bounded: ``QueueFull`` when it is full),
+    steps the backend, appends each slot's committed tokens to its request,
+    ends a request on EOS (unless ``ignore_eos``), a stop string, ``max_tokens`` or cancellation, frees its slot,
+    and hands each request its events (text deltas decoded incrementally, never a broken character).
+
+Timing and acceptance are recorded into ``jdspark.serve_metrics.ServeMetrics`` (vLLM's metric names). Events reach
+the caller through a callback (the server passes one that moves them onto its asyncio loop).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Callable, Optional, Protocol, Sequence
+
+__all__ = ["SamplingRequest", "StepOutput", "Backend", "Event", "Request", "Engine", "QueueFull",
+           "FINISH_REASONS"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_waiting`` requests already."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRequest:
+    """What one request asks of the backend (validated by the server before it gets here)."""
+    prompt_ids: tuple
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    speculative: bool = True
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """One slot's result of one backend step."""
+    tokens: list  # committed token ids, in order (>= 1)
+    drafted: int = 0  # drafts verified this step
+    accepted: int = 0  # drafts accepted this step
+    verified: int = 1  # tokens the target verified for this slot this step (1 for a plain decode step)
+
+
+class Backend(Protocol):
+    num_slots: int
+
+    def insert(self, slot: int, req: SamplingRequest) -> StepOutput: ...  # prefill; its first token
+
+    def step(self, slots: Sequence[int]) -> dict: ...  # slot -> StepOutput, for every given active slot
+
+    def free(self, slot: int) -> None: ...
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request learns after a step: new text and ids; ``finish_reason`` on its last event."""
+    text: str
+    token_ids: list
+    finish_reason: Optional[str] = None
+    usage: Optional[dict] = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    sampling: SamplingRequest
+    on_event: Callable[[Event], None]
+    stop: tuple = ()
+    ignore_eos: bool = False
+    id: str = ""
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    # filled by the engine
+    output_ids: list = dataclasses.field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of text already sent
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    admitted_at: Optional[float] = None
+    cancelled: bool = False
+    finished: Optional[str] = None
+    decoder: object = None
+
+    def usage(self) -> dict:
+        n = len(self.output_ids)
+        return {"prompt_tokens": len(self.sampling.prompt_ids), "completion_tokens": n,
+                "total_tokens": len(self.sampling.prompt_ids) + n, "drafted": self.drafted,
+                "accepted": self.accepted, "accept_len": (self.accepted + self.steps) / self.steps if self.steps
+                else 0.0}
+
+
+class Engine:
+    """The host loop over a ``Backend`` (see the module docstring). ``start()`` runs it in a daemon thread."""
+
+    def __init__(self, backend: Backend, tokenizer, *, eos_token_id: Optional[int], max_waiting: int = 64,
+                 metrics=None):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting: expected >= 0, got {max_waiting}")
+        self.backend, self.tokenizer, self.eos = backend, tokenizer, eos_token_id
+        self.max_waiting, self.metrics = int(max_waiting), metrics
+        self.waiting: collections.deque = collections.deque()
+        self.slots: list = [None] * backend.num_slots  # slot -> Request
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._ids = itertools.count()
+        self.error: Optional[BaseException] = None
+
+    # ------------------------------------------------------------------ caller side (any thread)
+    def submit(self, req: Request) -> Request:
+        with self._cv:
+            if self.error is not None:
+                raise RuntimeError(f"the engine stopped: {self.error!r}")
+            if len(self.waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_waiting})")
+            req.id = req.id or f"cmpl-{next(self._ids)}"
+            req.decoder = self.tokenizer.incremental_decoder()
+            self.waiting.append(req)
+            self._gauges()
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Ends ``req`` (a client went away): its slot is freed before the next step."""
+        with self._cv:
+            req.cancelled = True
+            if req in self.waiting:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+            self._cv.notify()
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._run, name="jdspark-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop (engine thread)
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._stop and not self.waiting and not any(self.slots):
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    self._free_cancelled()
+                    admit = []  # slots filled under the lock, prefilled outside it
+                    for s in range(len(self.slots)):
+                        if self.slots[s] is None and self.waiting:
+                            req = self.waiting.popleft()
+                            self.slots[s] = req
+                            admit.append((s, req))
+                    self._gauges()
+                for s, req in admit:  # prefill outside the lock: submit() stays responsive
+                    req.admitted_at = time.monotonic()
+                    if self.metrics:
+                        self.metrics.queue_time(req.admitted_at - req.arrival)
+                    self._commit(s, req, self.backend.insert(s, req.sampling), prefill=True)
+                active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
+                if active:
+                    outs = self.backend.step(active)
+                    for s in active:
+                        self._commit(s, self.slots[s], outs[s])
+                with self._cv:
+                    for s, r in enumerate(self.slots):
+                        if r is not None and r.finished is not None:
+                            self._release(s)
+                    self._gauges()
+        except BaseException as e:  # surface device errors to every waiting caller, then stop
+            self.error = e
+            with self._cv:
+                for r in list(self.waiting) + [r for r in self.slots if r is not None]:
+                    if r.finished is None:
+                        self._finish(r, "abort")
+                self.waiting.clear()
+                self.slots = [None] * len(self.slots)
+                self._gauges()
+            raise
+
+    def _free_cancelled(self) -> None:
+        for s, r in enumerate(self.slots):
+            if r is not None and r.cancelled:
+                if r.finished is None:
+                    self._finish(r, "abort")
+                self._release(s)
+
+    def _release(self, s: int) -> None:
+        self.slots[s] = None
+        self.backend.free(s)
+
+    def _commit(self, s: int, req: Request, out: StepOutput, prefill: bool = False) -> None:
+        """Append a step's tokens to ``req``, cut at EOS / max_tokens / a stop string, and send the event."""
+        if req.finished is not None or req.cancelled:
+            return
+        now = time.monotonic()
+        if not prefill:
+            req.steps += 1
+            req.drafted += out.drafted
+            req.accepted += out.accepted
+        reason, take = None, []
+        for t in out.tokens:
+            take.append(int(t))
+            if len(req.output_ids) + len(take) >= req.sampling.max_tokens:
+                reason = "length"
+                break
+            if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
+                reason = "stop"
+                break
+        req.output_ids += take
+        req.text += req.decoder.add(take)
+        if reason is not None:
+            req.text += req.decoder.flush()
+        if req.stop:
+            cut = min((i for i in (req.text.find(x, max(0, req.sent - len(x))) for x in req.stop) if i >= 0),
+                      default=-1)
+            if cut >= 0:
+                req.text, reason = req.text[:cut], "stop"
+        # hold back a tail that could still become a stop string
+        hold = 0 if reason is not None else max((len(x) - 1 for x in req.stop), default=0)
+        upto = max(req.sent, len(req.text) - hold)
+        delta = req.text[req.sent:upto]
+        req.sent = upto
+        if self.metrics:
+            self.metrics.step(req, out, take, now, prefill)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        req.last_token_at = now
+        if reason is not None:
+            self._finish(req, reason, delta, take)
+        elif delta or take:
+            req.on_event(Event(delta, take))
+
+    def _finish(self, req: Request, reason: str, delta: str = "", take=()) -> None:
+        req.finished = reason
+        if self.metrics:
+            self.metrics.finished(req, reason, time.monotonic())
+        req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage()))
+
+    def _gauges(self) -> None:
+        if self.metrics:
+            self.metrics.gauges(self.num_running, self.num_waiting)

@@ -1,0 +1,244 @@
+"""OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn), with vLLM's Prometheus metric names.
+
+    python -m jdspark.serve --checkpoint checkpoints/default --slots 16 --port 8000     # also `make serve`
+
+Endpoints: ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions`` (the checkpoint's
+chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``), ``GET /v1/models``, ``GET /health`` (503 until every
+program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
+decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
+``accept_len``). Bad input gets ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an
+unknown model, 429 when the waiting queue is full, 503 before the engine is ready); a client that disconnects
+frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jdspark.engine import Engine, Event, QueueFull
+from jdspark.engine import Request as EngineRequest
+from jdspark.engine import SamplingRequest
+
+__all__ = ["ApiError", "build_app", "parse_completion"]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: str = "invalid_request_error",
+                 code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds:
+        raise ApiError(400, f"'{name}' must be {what or kinds[0].__name__}, got a boolean", name)
+    if not isinstance(v, kinds):
+        raise ApiError(400, f"'{name}' must be {what or kinds[0].__name__}, got {type(v).__name__}", name)
+    if check is not None and not check(v):
+        raise ApiError(400, f"'{name}' must be {what}, got {v!r}", name)
+    return v
+
+
+def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
+                     chat: bool = False) -> tuple:
+    """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(404, f"The model '{model}' does not exist (this server serves '{model_name}')", "model",
+                       code="model_not_found")
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
+        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True), allow_special=True)
+        if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
+            ids = [tokenizer.bos_id] + ids
+    else:
+        if "prompt" not in body:
+            raise ApiError(400, "'prompt' is required", "prompt")
+        prompt = body["prompt"]
+        if isinstance(prompt, str):
+            ids = tokenizer.encode(prompt, bos=tokenizer.bos_id is not None)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise ApiError(400, f"token ids {bad[:8]} outside the vocabulary [0, {vocab_size})", "prompt")
+            ids = list(prompt)
+        else:
+            raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+                      (int,), 16, lambda v: v >= 1, "an integer >= 1")
+    if len(ids) + max_tokens > max_context:
+        raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the context of "
+                            f"{max_context} tokens", "max_tokens")
+    temperature = float(_get(body, "temperature", (int, float), 1.0, lambda v: math.isfinite(v) and v >= 0,
+                             "a number >= 0"))
+    top_p = float(_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
+    top_k = _get(body, "top_k", (int,), 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)")
+    seed = _get(body, "seed", (int,), 0, lambda v: 0 <= v < 2 ** 63, "a non-negative integer")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
+        stop = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of non-empty strings", "stop")
+    ignore_eos = _get(body, "ignore_eos", (bool,), False, what="a boolean")
+    stream = _get(body, "stream", (bool,), False, what="a boolean")
+    speculative = _get(body, "speculative", (bool,), True, what="a boolean")
+    opts = _get(body, "stream_options", (dict,), {}, what="an object")
+    include_usage = bool(opts.get("include_usage", False))
+    sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
+                         int(seed), bool(speculative))
+    return sp, stop, ignore_eos, stream, include_usage
+
+
+def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
+              is_ready=lambda: True) -> FastAPI:
+    app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
+
+    def err(e: ApiError):
+        return e.response()
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return err(ApiError(503, f"the engine stopped: {engine.error!r}", type_="server_error"))
+        if not is_ready():
+            return err(ApiError(503, "warming up: compiling", type_="server_error"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jdspark",
+                                            "max_model_len": max_context}]}
+
+    async def serve(request: Request, chat: bool):
+        if not is_ready():
+            return err(ApiError(503, "warming up: compiling", type_="server_error"))
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return err(ApiError(400, f"invalid JSON: {e}"))
+        try:
+            sp, stop, ignore_eos, stream, include_usage = parse_completion(
+                body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
+                chat=chat)
+        except ApiError as e:
+            return err(e)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        req = EngineRequest(sp, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), stop=stop,
+                            ignore_eos=ignore_eos)
+        try:
+            engine.submit(req)
+        except QueueFull as e:
+            return err(ApiError(429, str(e), type_="rate_limit_error", code="queue_full"))
+        except RuntimeError as e:
+            return err(ApiError(503, str(e), type_="server_error"))
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if stream:
+            return StreamingResponse(_sse(request, engine, req, events, chat, created, model_name, include_usage),
+                                     media_type="text/event-stream")
+        text, last = [], None
+        try:
+            while True:
+                try:
+                    ev: Event = await asyncio.wait_for(events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        engine.cancel(req)
+                        return Response(status_code=499)
+                    continue
+                text.append(ev.text)
+                if ev.finish_reason is not None:
+                    last = ev
+                    break
+        except asyncio.CancelledError:
+            engine.cancel(req)
+            raise
+        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [choice],
+                "usage": last.usage}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve(request, chat=True)
+
+    return app
+
+
+async def _sse(request, engine, req, events, chat: bool, created: int, model_name: str, include_usage: bool):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(text: Optional[str], finish: Optional[str], first: bool = False) -> str:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        body = {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    done = False
+    try:
+        if chat:
+            yield chunk(None, None, first=True)
+        while True:
+            try:
+                ev: Event = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if ev.text:
+                yield chunk(ev.text, None)
+            if ev.finish_reason is not None:
+                yield chunk(None, ev.finish_reason)
+                if include_usage:
+                    body = {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [],
+                            "usage": ev.usage}
+                    yield f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+                yield "data: [DONE]\n\n"
+                done = True
+                return
+    finally:
+        if not done:  # the client went away (or the task was cancelled): free the slot now
+            engine.cancel(req)

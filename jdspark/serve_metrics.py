@@ -1,0 +1,104 @@
+"""Prometheus metrics under vLLM's names, so dashboards built for vLLM read a jdspark server unchanged.
+
+Counters (exposed with the ``_total`` suffix, as vLLM's are): ``vllm:spec_decode_num_drafts``,
+``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens``,
+``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0-based), ``vllm:prompt_tokens``,
+``vllm:generation_tokens``, ``vllm:request_success`` (label ``finished_reason``). Gauges:
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``. Histograms: ``vllm:time_to_first_token_seconds``,
+``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
+``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``, and ``jdspark:verified_tokens_per_step``
+(tokens the target verified per slot per step: the adaptive scheduler's choice).
+
+Acceptance of your own traffic: accepted / draft_tokens from the counters' deltas, and accept_len =
+1 + accepted / drafts (tokens per target step).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ServeMetrics"]
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0)
+_TPOT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServeMetrics:
+    """One registry per server (tests run several in one process)."""
+
+    def __init__(self, model_name: str, max_positions: int = 16):
+        self.registry = CollectorRegistry()
+        r, lab = self.registry, {"labelnames": ["model_name"]}
+        self.model = model_name
+        self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative steps (one draft block each).",
+                                  registry=r, **lab)
+        self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens sent to verification.",
+                                        registry=r, **lab)
+        self.num_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r,
+                                    **lab)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the block (0-based).",
+                                        labelnames=["model_name", "position"], registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", registry=r, **lab)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated (completion tokens).",
+                                         registry=r, **lab)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               labelnames=["model_name", "finished_reason"], registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in slots.", registry=r, **lab)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", registry=r, **lab)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY,
+                              registry=r, **lab)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between token deliveries, per token.",
+                             buckets=_TPOT, registry=r, **lab)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "A request's decode time over its output tokens after the first.", buckets=_TPOT,
+                              registry=r, **lab)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY,
+                             registry=r, **lab)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Arrival to admission into a slot.",
+                               buckets=_LATENCY, registry=r, **lab)
+        self.verified = Histogram("jdspark:verified_tokens_per_step", "Tokens verified per slot per step.",
+                                  buckets=tuple(range(1, max_positions + 2)), registry=r, **lab)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name=model_name, finished_reason=reason)
+
+    def _m(self, metric):
+        return metric.labels(model_name=self.model)
+
+    def queue_time(self, seconds: float) -> None:
+        self._m(self.queue).observe(seconds)
+
+    def step(self, req, out, taken, now: float, prefill: bool) -> None:
+        """One slot's step: tokens counted, acceptance recorded (speculative steps), latencies observed."""
+        if prefill:
+            self._m(self.prompt_tokens).inc(len(req.sampling.prompt_ids))
+        self._m(self.generation_tokens).inc(len(taken))
+        if not prefill:
+            self._m(self.verified).observe(out.verified)
+            if out.drafted:
+                self._m(self.num_drafts).inc()
+                self._m(self.num_draft_tokens).inc(out.drafted)
+                self._m(self.num_accepted).inc(out.accepted)
+                for pos in range(out.accepted):
+                    self.accepted_per_pos.labels(model_name=self.model, position=str(pos)).inc()
+        if req.first_token_at is None:
+            self._m(self.ttft).observe(now - req.arrival)
+        elif taken:
+            gap = (now - req.last_token_at) / len(taken)
+            for _ in taken:
+                self._m(self.itl).observe(gap)
+
+    def finished(self, req, reason: str, now: float) -> None:
+        self.success.labels(model_name=self.model, finished_reason=reason).inc()
+        self._m(self.e2e).observe(now - req.arrival)
+        n = len(req.output_ids)
+        if n > 1 and req.first_token_at is not None:
+            self._m(self.tpot).observe((now - req.first_token_at) / (n - 1))
+
+    def gauges(self, running: int, waiting: int) -> None:
+        self._m(self.running).set(running)
+        self._m(self.waiting).set(waiting)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

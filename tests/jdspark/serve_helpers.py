@@ -1,0 +1,80 @@
+"""A real uvicorn server on a loopback port over the real Engine and HTTP app, with a scripted backend (the model
+is replaced, nothing else): the backend's token for slot s after token t is (t + 1) % 256, so a request's text is
+known in advance; ``gate`` pauses steps (to fill the queue), ``drafts`` fakes acceptance per step."""
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from jdspark.engine import Engine, StepOutput
+from jdspark.serve import build_app
+from jdspark.serve_metrics import ServeMetrics
+from kimi.tokenizer import ByteTokenizer
+
+
+class ScriptedBackend:
+    def __init__(self, num_slots, tokens_per_step=3, eos=None):
+        self.num_slots, self.k, self.eos = num_slots, tokens_per_step, eos
+        self.last = {}
+        self.gate = threading.Event()
+        self.gate.set()
+        self.inserted, self.freed = [], []
+
+    def insert(self, slot, req):
+        assert slot not in self.last, f"slot {slot} inserted while busy"
+        self.inserted.append(slot)
+        self.last[slot] = (req.prompt_ids[-1] + 1) % 256
+        return StepOutput([self.last[slot]])
+
+    def step(self, slots):
+        self.gate.wait()
+        time.sleep(0.002)
+        out = {}
+        for s in slots:
+            toks = []
+            for _ in range(self.k):
+                self.last[s] = (self.last[s] + 1) % 256
+                toks.append(self.last[s])
+            out[s] = StepOutput(toks, drafted=self.k + 1, accepted=self.k - 1, verified=self.k + 2)
+        return out
+
+    def free(self, slot):
+        self.freed.append(slot)
+        del self.last[slot]
+
+
+class LiveServer:
+    def __init__(self, num_slots=4, max_waiting=8, tokens_per_step=3, max_context=4096):
+        self.tok = ByteTokenizer()
+        self.backend = ScriptedBackend(num_slots, tokens_per_step)
+        self.metrics = ServeMetrics("scripted")
+        self.engine = Engine(self.backend, self.tok, eos_token_id=self.tok.eos_id, max_waiting=max_waiting,
+                             metrics=self.metrics).start()
+        app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
+                        max_context=max_context, metrics=self.metrics)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.backend.gate.set()
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+
+def expected_text(prompt: str, n: int) -> str:
+    """The scripted backend's completion: bytes counting up from the prompt's last byte + 1."""
+    b = prompt.encode()[-1]
+    return bytes((b + 1 + i) % 256 for i in range(n)).decode("latin-1")

@@ -1,0 +1,211 @@
+"""The HTTP server and the engine's host loop on a real uvicorn (loopback port), model scripted (serve_helpers):
+every endpoint, streaming and not, every bad input, 429 on a full queue, a disconnect mid-stream freeing its
+slot, metrics consistent with what was served, and a bounded soak."""
+
+import concurrent.futures as cf
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.jdspark.serve_helpers import LiveServer, expected_text
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = LiveServer(num_slots=4, max_waiting=8)
+    yield s
+    s.close()
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _metrics(srv) -> str:
+    return httpx.get(srv.url + "/metrics").text
+
+
+def _wait_idle(srv, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = _metrics(srv)
+        if _metric(m, "vllm:num_requests_running") == 0 and _metric(m, "vllm:num_requests_waiting") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("requests did not drain")
+
+
+def test_health_models_and_a_completion(srv):
+    assert httpx.get(srv.url + "/health").status_code == 200
+    models = httpx.get(srv.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "scripted"
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 10, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"] == expected_text("abc", 10)
+    u = body["usage"]
+    assert u["completion_tokens"] == 10 and u["prompt_tokens"] == 4  # BOS + 3 bytes
+    assert u["drafted"] == 4 * 3 and u["accepted"] == 2 * 3  # 1 + 3 + 3 + 3 tokens: 3 steps of 4 drafted
+
+
+def test_token_id_prompt_stop_string_and_model_name(srv):
+    r = httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": [256, 97], "max_tokens": 20,
+                                                      "stop": ["fgh"]}).json()
+    assert r["choices"][0]["text"] == "bcde" and r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_streaming_sse_with_usage(srv):
+    with httpx.stream("POST", srv.url + "/v1/completions",
+                      json={"prompt": "A", "max_tokens": 12, "stream": True,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == expected_text("A", 12)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert len([c for c in chunks if c["choices"] and c["choices"][0]["text"]]) >= 4  # several deltas
+
+
+def test_chat_completion_streamed_and_not(srv):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 5}).json()
+    assert r["object"] == "chat.completion" and r["choices"][0]["message"]["role"] == "assistant"
+    prompt = srv.tok.apply_chat_template(msgs)
+    assert r["choices"][0]["message"]["content"] == expected_text(prompt, 5)
+    with httpx.stream("POST", srv.url + "/v1/chat/completions",
+                      json={"messages": msgs, "max_tokens": 5, "stream": True}) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected_text(prompt, 5)
+
+
+BAD = [
+    ("not json", "invalid JSON", None, 400),
+    ({"max_tokens": 3}, "'prompt' is required", "prompt", 400),
+    ({"prompt": 5}, "'prompt' must be", "prompt", 400),
+    ({"prompt": "x", "max_tokens": 0}, "'max_tokens' must be an integer >= 1", "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": "3"}, "'max_tokens' must be", "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": 5000}, "exceed the context", "max_tokens", 400),
+    ({"prompt": "x", "temperature": -0.5}, "'temperature' must be a number >= 0", "temperature", 400),
+    ({"prompt": "x", "top_p": 0}, "'top_p' must be a number in (0, 1]", "top_p", 400),
+    ({"prompt": "x", "top_p": 1.5}, "'top_p' must be a number in (0, 1]", "top_p", 400),
+    ({"prompt": [1, 999]}, "outside the vocabulary", "prompt", 400),
+    ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean", "stream", 400),
+    ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),
+    ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
+]
+
+
+@pytest.mark.parametrize("body,message,param,status", BAD)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(srv, body, message, param, status):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(srv.url + "/v1/completions", **kw)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert message in err["message"] and err["param"] == param and set(err) == {"message", "type", "param", "code"}
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_bad_chat_messages(srv):
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def _wait_for(srv, name, value, timeout=10):
+    deadline = time.time() + timeout
+    while _metric(_metrics(srv), name) != value:
+        assert time.time() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
+
+
+def test_full_queue_answers_429_then_drains(srv):
+    srv.backend.gate.clear()  # the engine's next step stalls: 1 request in a slot, then 8 waiting, then 429
+    post = lambda: httpx.post(srv.url + "/v1/completions", json={"prompt": "q", "max_tokens": 4}, timeout=30)
+    try:
+        with cf.ThreadPoolExecutor(16) as ex:
+            futs = [ex.submit(post)]
+            _wait_for(srv, "vllm:num_requests_running", 1)
+            futs += [ex.submit(post) for _ in range(8)]
+            _wait_for(srv, "vllm:num_requests_waiting", 8)
+            r = post()
+            assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            srv.backend.gate.set()
+            assert [f.result().status_code for f in futs] == [200] * 9
+    finally:
+        srv.backend.gate.set()
+    _wait_idle(srv)
+
+
+def test_disconnect_mid_stream_frees_the_slot(srv):
+    before = _metric(_metrics(srv), "vllm:request_success_total", finished_reason="abort")
+    with httpx.stream("POST", srv.url + "/v1/completions",
+                      json={"prompt": "z", "max_tokens": 3000, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 3:
+                break  # closing the stream drops the connection
+    m = _wait_idle(srv)
+    assert _metric(m, "vllm:request_success_total", finished_reason="abort") == before + 1
+    assert sorted(srv.backend.last) == []  # every slot freed on the device side too
+
+
+@pytest.fixture(scope="module")
+def soak_srv():
+    s = LiveServer(num_slots=4, max_waiting=32)  # room for 16 concurrent clients: no 429 here
+    yield s
+    s.close()
+
+
+def test_metrics_match_what_was_served_and_a_soak(soak_srv):
+    srv = soak_srv
+    m0 = _wait_idle(srv)
+    n_good, n_tokens = 0, 0
+
+    def one(i):
+        if i % 10 == 3:  # bad request mixed in
+            return "bad", httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "top_p": 2}).status_code
+        if i % 10 == 7:  # a client that goes away mid-stream
+            with httpx.stream("POST", srv.url + "/v1/completions",
+                              json={"prompt": "d", "max_tokens": 500, "stream": True}) as r:
+                next(r.iter_lines())
+            return "gone", 0
+        n = 5 + i % 17
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "k", "max_tokens": n, "seed": i}, timeout=60)
+        return "good", (r.status_code, r.json()["usage"]["completion_tokens"], n)
+
+    with cf.ThreadPoolExecutor(16) as ex:
+        results = list(ex.map(one, range(200)))
+    for kind, res in results:
+        if kind == "good":
+            status, got, want = res
+            assert status == 200 and got == want
+            n_good += 1
+            n_tokens += got
+        elif kind == "bad":
+            assert res == 400
+    assert httpx.get(srv.url + "/health").status_code == 200
+    m1 = _wait_idle(srv)
+    d = {k: _metric(m1, k) - _metric(m0, k) for k in
+         ("vllm:generation_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
+          "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")}
+    length = _metric(m1, "vllm:request_success_total", finished_reason="length") - \
+        _metric(m0, "vllm:request_success_total", finished_reason="length")
+    assert length == n_good
+    # the disconnected streams generated some tokens too: generation_tokens >= the good requests' own
+    assert d["vllm:generation_tokens_total"] >= n_tokens
+    assert 0 < d["vllm:spec_decode_num_accepted_tokens_total"] <= d["vllm:spec_decode_num_draft_tokens_total"]
+    per_pos = sum(_metric(m1, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(8))
+    assert per_pos == _metric(m1, "vllm:spec_decode_num_accepted_tokens_total")
+    assert re.search(r"vllm:time_to_first_token_seconds_count\{[^}]*\} [1-9]", m1)
