@@ -41,6 +41,7 @@ class SamplingRequest:
     top_k: int = 0
     seed: int = 0
     speculative: bool = True
+    spec_mode: Optional[str] = None  # "fixed" | "adaptive" | None (the server's default)
 
 
 @dataclasses.dataclass

@@ -110,10 +110,11 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     ignore_eos = _get(body, "ignore_eos", (bool,), False, what="a boolean")
     stream = _get(body, "stream", (bool,), False, what="a boolean")
     speculative = _get(body, "speculative", (bool,), True, what="a boolean")
+    spec_mode = _get(body, "spec_mode", (str,), None, lambda v: v in ("fixed", "adaptive"), "'fixed' or 'adaptive'")
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
-                         int(seed), bool(speculative))
+                         int(seed), bool(speculative), spec_mode)
     return sp, stop, ignore_eos, stream, include_usage
 
 

@@ -209,3 +209,23 @@ def test_metrics_match_what_was_served_and_a_soak(soak_srv):
     per_pos = sum(_metric(m1, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(8))
     assert per_pos == _metric(m1, "vllm:spec_decode_num_accepted_tokens_total")
     assert re.search(r"vllm:time_to_first_token_seconds_count\{[^}]*\} [1-9]", m1)
+
+
+def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench_serve
+
+    prompts = [[256, 97 + i] for i in range(4)]
+    cells = [bench_serve.run_cell(soak_srv.url, prompts, mode, c, 0.0, 9, 4) for mode in ("off", "adaptive")
+             for c in (1, 4)]
+    for cell in cells:
+        assert cell["output_tok_s"] > 0 and cell["per_user_tok_s"] > 0 and cell["requests"] == 4
+        assert cell["ttft_ms"]["p50"] is not None and cell["tpot_ms"]["p99"] >= cell["tpot_ms"]["p50"]
+        assert cell["accept_len"] == pytest.approx(1 + 2 / 1)  # the scripted backend: 2 of 4 accepted per step
+        assert cell["verified_per_slot_step"] == pytest.approx(5.0)
+    bench_serve.plot(cells, str(tmp_path / "serve.png"))
+    assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
+    r = httpx.post(soak_srv.url + "/v1/completions", json={"prompt": "x", "spec_mode": "sometimes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "spec_mode"

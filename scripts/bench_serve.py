@@ -1,0 +1,225 @@
+"""Load test of the OpenAI-compatible server: concurrency 1 .. 16 x speculative mode (off, fixed, adaptive).
+
+  python scripts/bench_serve.py --launch --json                  # starts `python -m jdspark.serve` on 127.0.0.1
+  python scripts/bench_serve.py --url http://127.0.0.1:8000 --json --plot serve.png
+
+Each cell runs ``--requests`` streamed completions of held-out code prompts (token ids, ``ignore_eos``, a fixed
+``--max-tokens``, fixed seeds) from ``concurrency`` clients at once and reports: aggregate output tok/s (completion
+tokens over the cell's wall time), per-user tok/s (each request's completion tokens over its own latency,
+averaged), TTFT / TPOT / ITL (mean, p50, p99, in ms; tokens counted from ``usage``, not from chunks), accept_len
+(1 + accepted / drafts from the server's ``/metrics`` deltas: the acceptance this traffic got) and the mean verified
+tokens per slot per step (``jdspark:verified_tokens_per_step``). The mode is sent per request (``speculative``
+false for off; ``spec_mode`` fixed or adaptive). Greedy and sampled (``--temperatures 0,1``) cells. Only loopback
+or the given ``--url`` is contacted; every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODES = ("off", "fixed", "adaptive")
+CONCURRENCY = (1, 2, 4, 8, 16)
+
+
+def scrape(url: str) -> dict:
+    """The counters and histogram sums this script reads, summed over label sets."""
+    import httpx
+
+    want = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:spec_decode_num_draft_tokens_total", "jdspark:verified_tokens_per_step_sum",
+            "jdspark:verified_tokens_per_step_count", "vllm:generation_tokens_total")
+    out = dict.fromkeys(want, 0.0)
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def one_request(url: str, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
+    """A streamed completion: arrival-relative times of every content chunk and the usage."""
+    import httpx
+
+    body = {"prompt": list(map(int, prompt_ids)), "max_tokens": max_tokens, "temperature": temperature,
+            "top_p": 1.0, "seed": seed, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "speculative": mode != "off"}
+    if mode != "off":
+        body["spec_mode"] = mode
+    t0 = time.perf_counter()
+    chunks, usage = [], None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c.get("usage"):
+                usage = c["usage"]
+            if c["choices"] and c["choices"][0].get("text"):
+                chunks.append(time.perf_counter() - t0)
+    e2e = time.perf_counter() - t0
+    if usage is None:
+        raise RuntimeError("the stream ended without usage")
+    return {"chunks": chunks, "e2e": e2e, "tokens": usage["completion_tokens"]}
+
+
+def _stats_ms(xs) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None}
+    a = np.asarray(xs) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def run_cell(url: str, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
+             requests: int) -> dict:
+    before = scrape(url)
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as ex:
+        res = list(ex.map(lambda i: one_request(url, prompts[i % len(prompts)], max_tokens, temperature, 1000 + i,
+                                                mode), range(requests)))
+    wall = time.perf_counter() - t0
+    after = scrape(url)
+    d = {k: after[k] - before[k] for k in after}
+    tokens = sum(r["tokens"] for r in res)
+    ttft = [r["chunks"][0] for r in res if r["chunks"]]
+    tpot = [(r["e2e"] - r["chunks"][0]) / (r["tokens"] - 1) for r in res if r["chunks"] and r["tokens"] > 1]
+    itl = []
+    for r in res:  # a chunk carries several tokens under speculation: its gap is spread over them
+        n_chunks = len(r["chunks"])
+        per = (r["tokens"] - 1) / max(n_chunks - 1, 1)
+        itl += [g / per for g in np.diff(r["chunks"])] if n_chunks > 1 and per > 0 else []
+    drafts = d["vllm:spec_decode_num_drafts_total"]
+    vcount = d["jdspark:verified_tokens_per_step_count"]
+    return {"mode": mode, "concurrency": concurrency, "temperature": temperature, "requests": requests,
+            "max_tokens": max_tokens, "output_tok_s": tokens / wall,
+            "per_user_tok_s": float(np.mean([r["tokens"] / r["e2e"] for r in res])),
+            "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
+            "accept_len": 1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0,
+            "verified_per_slot_step": d["jdspark:verified_tokens_per_step_sum"] / vcount if vcount else None,
+            "wall_s": wall}
+
+
+def plot(cells, path: str) -> None:
+    """Aggregate throughput against per-user tok/s, one line per (mode, temperature) across concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    keys = sorted({(c["mode"], c["temperature"]) for c in cells})
+    for i, (mode, temp) in enumerate(keys):
+        cs = sorted((c for c in cells if c["mode"] == mode and c["temperature"] == temp),
+                    key=lambda c: c["concurrency"])
+        ax.plot([c["per_user_tok_s"] for c in cs], [c["output_tok_s"] for c in cs], "o-" if temp == 0 else "s--",
+                color=f"C{MODES.index(mode) if mode in MODES else i}", label=f"{mode}, T={temp:g}")
+        for c in cs:
+            ax.annotate(str(c["concurrency"]), (c["per_user_tok_s"], c["output_tok_s"]), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))
+    ax.set(xlabel="per-user tok/s (interactivity)", ylabel="aggregate output tok/s",
+           title="throughput at matched interactivity (labels: concurrent users)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def held_out_prompts(checkpoint: str, n: int, prompt_len: int):
+    import generate as gen
+
+    import kimi
+    from jdspark import data as jdata
+
+    cfg = kimi.KimiConfig.from_hf_config(os.path.join(checkpoint, "target"))
+    tok = gen.load_tokenizer(checkpoint, cfg)
+    return [p.tolist() for p in jdata.heldout_prompts(n, prompt_len, tokenizer=tok)]
+
+
+def launch(checkpoint: str, port: int, slots: int, timeout: float = 900.0):
+    """Start the server on 127.0.0.1:port and wait (bounded) until /health says ready."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "jdspark.serve", "--checkpoint", checkpoint, "--slots",
+                             str(slots), "--port", str(port), "--host", "127.0.0.1"], cwd=ROOT)
+    url, deadline = f"http://127.0.0.1:{port}", time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    proc.terminate()
+    raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--launch", action="store_true", help="start the server on 127.0.0.1 for the run")
+    where.add_argument("--url", help="a running server (loopback or your own host)")
+    ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--requests", type=int, default=None, help="per cell (default: 2 x concurrency, at least 4)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    modes = a.modes.split(",")
+    if any(m not in MODES for m in modes):
+        ap.error(f"--modes: each of {MODES}")
+    conc = [int(c) for c in a.concurrency.split(",")]
+    temps = [float(t) for t in a.temperatures.split(",")]
+    prompts = held_out_prompts(a.checkpoint, a.prompts, a.prompt_len)
+    proc = None
+    url = a.url
+    if a.launch:
+        proc, url = launch(a.checkpoint, a.port, a.slots)
+    cells = []
+    try:
+        one_request(url, prompts[0], 8, 0.0, 0, modes[0])  # warm the path end to end
+        for temp in temps:
+            for mode in modes:
+                for c in conc:
+                    cell = run_cell(url, prompts, mode, c, temp, a.max_tokens, a.requests or max(4, 2 * c))
+                    cells.append(cell)
+                    print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d}: {cell['output_tok_s']:7.1f} tok/s total, "
+                          f"{cell['per_user_tok_s']:6.1f} per user, accept_len {cell['accept_len']:.2f}, "
+                          f"verified/slot/step {cell['verified_per_slot_step']}", file=sys.stderr, flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    if a.plot:
+        plot(cells, a.plot)
+    if a.json:
+        print(json.dumps({"cells": cells}, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
