@@ -8,7 +8,8 @@ Nothing of the model is allocated: shapes come from ``nnx.eval_shape`` of the re
 It reports:
   * per-device bytes: parameters (routed experts as packed MXFP4 codes + E8M0 scales), the KDA state, the MLA
     latent cache at ``--context`` positions, the drafter's parameters and context K/V, and whether it all fits a
-    GB300's HBM (288 GB), plus the longest context that would;
+    GB300's HBM (288 GB), plus the longest context that would; the same per ``--batches`` (default 1 and 16:
+    ``memory_by_batch``), e.g. ``--context 1000000`` for K3's million-token context;
   * an AOT ``jax.jit(...).lower(...).compile()`` of one full-width decode step of a KDA layer, an MLA layer (its
     cache at ``--context``) and a MoE layer, on the simulated devices with abstract, sharded inputs: XLA's memory
     analysis and the collectives in the compiled HLO (count and result bytes per device);
@@ -284,10 +285,6 @@ def simulate(a: argparse.Namespace) -> dict:
     counts = param_counts(cfg)
     model = abstract_model(cfg)
     tmem = param_memory(model, mesh, rules)
-    cache = KimiCache.abstract(cfg, batch, a.context)
-    cmem = cache_memory(cache, mesh, rules)
-    kda_bytes = cmem["kda_state"] + cmem["conv_state"]
-    mla_bytes = cmem["mla_ckv"] + cmem["mla_kpe"]
     ex_total = tmem["total"].get("routed_experts", 0)
     expert_bytes = ex_total / max(1, sum(k == "moe" for k in cfg.ffn_kinds)) / max(1, cfg.num_experts)
 
@@ -297,20 +294,36 @@ def simulate(a: argparse.Namespace) -> dict:
                                                  num_key_value_heads=16))
     drafter = nnx.eval_shape(lambda: DSparkDrafter(dcfg, rngs=nnx.Rngs(1)))
     dmem = param_memory(drafter, mesh, rules)
-    kv_shape = (dcfg.num_hidden_layers, batch, a.context, dcfg.num_key_value_heads, dcfg.head_dim)
-    sds = jax.ShapeDtypeStruct(kv_shape, dcfg.dtype)
-    dcache = DrafterCache(sds, sds, jax.ShapeDtypeStruct((), jnp.int32))
-    dc = cache_memory(dcache, mesh, rules)
-    dcache_bytes = dc["k"] + dc["v"]
-    # the published MLA drafter would cache one 576-wide latent per position and layer (replicated over heads)
-    rows_per_device = NamedSharding(mesh, cache_specs(dcache, mesh, rules).k).shard_shape(kv_shape)[1]
-    mla_draft_est = dcfg.num_hidden_layers * rows_per_device * a.context * (512 + 64) * dcfg.dtype.itemsize
+    hbm = a.hbm_gb * 1e9
 
+    def memory_at(b: int) -> dict:
+        """Per-device bytes at batch ``b`` and ``--context`` positions: weights, caches, drafter, fit."""
+        cmem = cache_memory(KimiCache.abstract(cfg, b, a.context), mesh, rules)
+        kv_shape = (dcfg.num_hidden_layers, b, a.context, dcfg.num_key_value_heads, dcfg.head_dim)
+        sds = jax.ShapeDtypeStruct(kv_shape, dcfg.dtype)
+        dcache = DrafterCache(sds, sds, jax.ShapeDtypeStruct((), jnp.int32))
+        dc = cache_memory(dcache, mesh, rules)
+        # the published MLA drafter would cache one 576-wide latent per position and layer (replicated over heads)
+        rows = NamedSharding(mesh, cache_specs(dcache, mesh, rules).k).shard_shape(kv_shape)[1]
+        m = {"batch": b, "context": a.context, "weights": tmem["per_device_bytes"],
+             "drafter_weights": dmem["per_device_bytes"], "kda_states": cmem["kda_state"] + cmem["conv_state"],
+             "mla_latent_cache": cmem["mla_ckv"] + cmem["mla_kpe"], "drafter_cache": dc["k"] + dc["v"],
+             "mla_drafter_cache_estimate": dcfg.num_hidden_layers * rows * a.context * (512 + 64)
+             * dcfg.dtype.itemsize}
+        m["total"] = (m["weights"] + m["drafter_weights"] + m["kda_states"] + m["mla_latent_cache"]
+                      + m["drafter_cache"])
+        m["fits"] = m["total"] <= hbm
+        return m
+
+    mem = memory_at(batch)
+    kda_bytes, mla_bytes, dcache_bytes = mem["kda_states"], mem["mla_latent_cache"], mem["drafter_cache"]
+    mla_draft_est = mem["mla_drafter_cache_estimate"]
     per_device_param_bytes = tmem["per_device_bytes"]
-    total = per_device_param_bytes + kda_bytes + mla_bytes + dmem["per_device_bytes"] + dcache_bytes
+    total = mem["total"]
     fixed = per_device_param_bytes + kda_bytes + dmem["per_device_bytes"]
     per_pos = (mla_bytes + dcache_bytes) / a.context
-    hbm = a.hbm_gb * 1e9
+    by_batch = {str(b): (mem if b == batch else memory_at(b)) for b in sorted({batch, *a.batches})}
+    cmem = cache_memory(KimiCache.abstract(cfg, batch, a.context), mesh, rules)
 
     # ---- one full-width decode step of each layer kind, compiled
     aot = {}
@@ -370,6 +383,7 @@ def simulate(a: argparse.Namespace) -> dict:
         "fits": total <= hbm,
         "fits_with_mla_drafter_cache": total - dcache_bytes + mla_draft_est <= hbm,
         "max_context_that_fits": int(max(0.0, hbm - fixed) // per_pos) if per_pos else None,
+        "memory_by_batch": by_batch,
         "largest_layer_temp_bytes": workspace,
         "aot_decode_step": aot,
         "collectives_per_token": {"count": coll_count, "bytes": coll_bytes,
@@ -389,6 +403,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mesh", default="tp16", help="tp16, dp16-ep16, or explicit dims such as data=2,tensor=8")
     ap.add_argument("--context", type=int, default=1 << 20, help="cached positions for the memory figures")
     ap.add_argument("--batch", type=int, default=0, help="default: one stream per data-parallel rank")
+    ap.add_argument("--batches", default="1,16", help="batch sizes of the memory_by_batch figures (comma-separated)")
     ap.add_argument("--hbm-gb", type=float, default=GB300_HBM_BYTES / 1e9)
     ap.add_argument("--hbm-tbps", type=float, default=8.0, help="HBM bandwidth per device (GB300: 8 TB/s)")
     ap.add_argument("--coll-latency-us", type=float, default=5.0,
@@ -401,6 +416,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="skip the AOT compiles (and the roofline)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line")
     a = ap.parse_args(argv)
+    try:
+        a.batches = [int(b) for b in a.batches.split(",") if b]
+    except ValueError:
+        ap.error(f"--batches: expected comma-separated integers, got {a.batches!r}")
+    if any(b < 1 for b in a.batches):
+        ap.error("--batches: each must be >= 1")
 
     n = _device_count(a.mesh)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -421,6 +442,10 @@ def main(argv=None) -> int:
           f"{_gb(d['per_device_cache_bytes'])} per device ({d['built_as']})")
     print(f"  total {_gb(out['per_device_total_bytes'])} of {_gb(out['hbm_bytes'])}: fits={out['fits']} "
           f"(longest context that fits: {out['max_context_that_fits']:,})")
+    for b, m in out["memory_by_batch"].items():
+        print(f"  batch {b:>3}: weights {_gb(m['weights'] + m['drafter_weights'])}  MLA cache "
+              f"{_gb(m['mla_latent_cache'])}  KDA {_gb(m['kda_states'])}  drafter cache {_gb(m['drafter_cache'])}"
+              f"  total {_gb(m['total'])}  fits={m['fits']}")
     for k, v in out["aot_decode_step"].items():
         m, c = v["memory"], v["collectives"]
         print(f"  AOT {k}: compile {v['compile_s']} s, args {_gb(m.get('argument_size_in_bytes', 0))}, temp "
