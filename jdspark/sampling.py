@@ -16,13 +16,19 @@ _NEG = -jnp.inf
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean off."""
+    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean off.
+
+    Fields are Python numbers (one setting for a whole program: the branches a setting does not need are skipped
+    when tracing) or arrays of one value per row (``SamplingParams.rows``: a serving engine's slots, each with
+    its own setting; every branch is computed and selected per row)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self):
+        if not self.is_static:
+            return
         if not self.temperature >= 0:
             raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -31,34 +37,77 @@ class SamplingParams:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
 
     @property
+    def is_static(self) -> bool:
+        return all(isinstance(v, (int, float)) for v in (self.temperature, self.top_k, self.top_p))
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether every row is greedy, known when tracing (False for per-row arrays: use ``greedy_rows``)."""
+        return self.is_static and self.temperature == 0.0
+
+    def greedy_rows(self):
+        """Per-row greedy flags (a Python bool for static parameters)."""
+        return self.temperature == 0.0 if self.is_static else jnp.asarray(self.temperature) == 0.0
+
+    @staticmethod
+    def rows(temperature, top_k, top_p) -> "SamplingParams":
+        """Per-row parameters as arrays (validated by the caller)."""
+        return SamplingParams(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
+                              jnp.asarray(top_p, jnp.float32))
+
+
+jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p"], meta_fields=[])
+
+
+def _row(v, z):
+    """A per-row parameter broadcast against logits ``z`` [..., V] (scalars as they are)."""
+    v = jnp.asarray(v)
+    return v.reshape(v.shape + (1,) * (z.ndim - v.ndim)) if v.ndim else v
 
 
 def process_logits(logits_XV, sp: SamplingParams):
     """Log-probabilities of the processed distribution, fp32: logits / T, then top-k, then top-p (nucleus: the
-    smallest set of most likely tokens whose mass reaches top_p; ties broken by index). Masked entries are -inf."""
-    z = logits_XV.astype(jnp.float32) / (sp.temperature if sp.temperature > 0 else 1.0)
+    smallest set of most likely tokens whose mass reaches top_p; ties broken by index). Masked entries are -inf.
+    Per-row parameters (arrays) broadcast over the leading axes of ``logits_XV``; top-k keeps ties with the k-th."""
+    z = logits_XV.astype(jnp.float32)
     V = z.shape[-1]
-    if 0 < sp.top_k < V:
-        kth = jax.lax.top_k(z, sp.top_k)[0][..., -1:]
-        z = jnp.where(z >= kth, z, _NEG)
-    if sp.top_p < 1.0:
-        order = jnp.argsort(-z, axis=-1, stable=True)
-        z_sorted = jnp.take_along_axis(z, order, axis=-1)
-        p_sorted = jax.nn.softmax(z_sorted, axis=-1)
-        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
-        keep_sorted = mass_before < sp.top_p
-        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        z = jnp.where(keep, z, _NEG)
+    if sp.is_static:
+        z = z / (sp.temperature if sp.temperature > 0 else 1.0)
+        if 0 < sp.top_k < V:
+            kth = jax.lax.top_k(z, sp.top_k)[0][..., -1:]
+            z = jnp.where(z >= kth, z, _NEG)
+        if sp.top_p < 1.0:
+            z = _top_p(z, sp.top_p)
+        return jax.nn.log_softmax(z, axis=-1)
+    t, k, p = _row(sp.temperature, z), _row(sp.top_k, z), _row(sp.top_p, z)
+    z = z / jnp.where(t > 0, t, 1.0)
+    desc = -jnp.sort(-z, axis=-1)
+    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, V - 1) * jnp.ones(z.shape[:-1] + (1,), jnp.int32), axis=-1)
+    z = jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
+    z = jnp.where(p < 1.0, _top_p(z, p), z)
     return jax.nn.log_softmax(z, axis=-1)
+
+
+def _top_p(z, top_p):
+    order = jnp.argsort(-z, axis=-1, stable=True)
+    z_sorted = jnp.take_along_axis(z, order, axis=-1)
+    p_sorted = jax.nn.softmax(z_sorted, axis=-1)
+    mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+    keep_sorted = mass_before < top_p
+    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    return jnp.where(keep, z, _NEG)
 
 
 def sample(key, logits_XV, sp: SamplingParams):
     """One token per row: argmax when greedy, else a draw from the processed distribution."""
     if sp.greedy:
         return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, process_logits(logits_XV, sp), axis=-1).astype(jnp.int32)
+    drawn = jax.random.categorical(key, process_logits(logits_XV, sp), axis=-1).astype(jnp.int32)
+    if sp.is_static:
+        return drawn
+    g = jnp.asarray(sp.greedy_rows())
+    g = g.reshape(g.shape + (1,) * (drawn.ndim - g.ndim)) if g.ndim else g
+    return jnp.where(g, jnp.argmax(logits_XV, axis=-1).astype(jnp.int32), drawn)
 
 
 def accept_greedy(drafts_G, target_logits_G1V, n_verify):
@@ -92,3 +141,16 @@ def accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: Sa
     resid = jnp.where(resid.sum() > 0, resid, p_G1V[n_acc])
     nxt = jax.random.categorical(k_res, jnp.log(resid)).astype(jnp.int32)
     return n_acc, nxt
+
+
+def accept(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: SamplingParams):
+    """The acceptance rule of ``sp``: ``accept_greedy`` when greedy, else ``accept_rejection`` (both computed and
+    selected for a traced per-stream setting). Returns (n_accepted, next_token)."""
+    if sp.is_static:
+        if sp.greedy:
+            return accept_greedy(drafts_G, target_logits_G1V, n_verify)
+        return accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp)
+    m_g, t_g = accept_greedy(drafts_G, target_logits_G1V, n_verify)
+    m_s, t_s = accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp)
+    g = sp.greedy_rows()
+    return jnp.where(g, m_g, m_s), jnp.where(g, t_g, t_s)
