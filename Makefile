@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 REQS   := requirements/base.txt requirements/test.txt requirements/lock.txt pyproject.toml
 
-.PHONY: all install demo test test-fast bench parity info clean
+.PHONY: all install demo test test-fast bench parity info serve clean
 
 all: test
 
@@ -26,6 +26,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+serve: $(STAMP)
+	$(PY) -m jdspark.serve --checkpoint checkpoints/default --slots 16 --port 8000
 
 bench: $(STAMP)
 	$(PY) scripts/bench.py --json

@@ -13,18 +13,26 @@ frees its slot.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
+import os
+import threading
 import time
 from typing import Any, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+import kimi
+from jdspark.drafter import load_drafter
 from jdspark.engine import Engine, Event, QueueFull
 from jdspark.engine import Request as EngineRequest
 from jdspark.engine import SamplingRequest
+from jdspark.serve_metrics import ServeMetrics
+from jdspark.slots import SlotBackend
 
 __all__ = ["ApiError", "build_app", "parse_completion"]
 
@@ -111,6 +119,9 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     stream = _get(body, "stream", (bool,), False, what="a boolean")
     speculative = _get(body, "speculative", (bool,), True, what="a boolean")
     spec_mode = _get(body, "spec_mode", (str,), None, lambda v: v in ("fixed", "adaptive"), "'fixed' or 'adaptive'")
+    if spec_mode == "adaptive":
+        raise ApiError(400, "spec_mode 'adaptive' (confidence-driven verification) is not built yet; use 'fixed'",
+                       "spec_mode", code="not_implemented")
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
@@ -243,3 +254,47 @@ async def _sse(request, engine, req, events, chat: bool, created: int, model_nam
     finally:
         if not done:  # the client went away (or the task was cancelled): free the slot now
             engine.cancel(req)
+
+
+def main(argv=None) -> int:
+    """``python -m jdspark.serve --checkpoint DIR --slots S --port P``: load the pair, compile every program,
+    then serve (``/health`` answers 503 until the compiles are done)."""
+    ap = argparse.ArgumentParser(prog="python -m jdspark.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default="checkpoints/default", help="folder with target/ (and drafter/)")
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-len", type=int, default=1024, help="cache positions per slot (prompt + completion)")
+    ap.add_argument("--prompt-buckets", default="64,128,256,512")
+    ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
+    ap.add_argument("--spec", choices=("off", "fixed"), default="fixed",
+                    help="off: plain decoding for every request; fixed: verify the drafter's whole block")
+    ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--model-name", default=None)
+    a = ap.parse_args(argv)
+    tdir, ddir = os.path.join(a.checkpoint, "target"), os.path.join(a.checkpoint, "drafter")
+    target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": a.serving_dtype})
+    drafter = load_drafter(ddir, target=target) if a.spec != "off" and os.path.isdir(ddir) else None
+    tok = kimi.load_tokenizer(tdir, vocab_size=target.config.vocab_size)
+    name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
+    backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
+                          prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")])
+    metrics = ServeMetrics(name, max_positions=backend.G + 1)
+    engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
+                    metrics=metrics)
+    ready = threading.Event()
+
+    def warm():
+        backend.warm_up()
+        engine.start()
+        ready.set()
+
+    threading.Thread(target=warm, name="jdspark-warm-up", daemon=True).start()
+    app = build_app(engine, tok, model_name=name, vocab_size=target.config.vocab_size,
+                    max_context=a.max_len - backend.G - 1, metrics=metrics, is_ready=ready.is_set)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
-from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits, sample
+from jdspark.sampling import SamplingParams, accept, process_logits, sample
 from kimi.cache import KimiCache, select_verified
 from kimi.model import with_serving_layout
 
@@ -78,13 +78,30 @@ class GenerateOutput:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class _Loop:
-    out: jax.Array  # [max_new + G + 1] emitted tokens
-    n_out: jax.Array  # int32
-    anchor: jax.Array  # [1] int32
+class Stream:
+    """One stream's state between steps (batch 1 inside): what generate's loop carries and a serving slot holds
+    (the engine maps the step over a leading slot axis of every leaf)."""
+    anchor: jax.Array  # [1] int32: the last committed token, not yet in the target's cache
     cache: KimiCache
     dcache: object  # DrafterCache or None
     key: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOut:
+    new_K: jax.Array  # [K] int32: the committed tokens, the first n_new valid (K = G + 1, or 1 for plain decoding)
+    n_new: jax.Array  # int32: accepted drafts + the bonus token
+    drafted: jax.Array  # int32: drafts verified
+    accepted: jax.Array  # int32: drafts accepted
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Loop:
+    out: jax.Array  # [max_new + G + 1] emitted tokens
+    n_out: jax.Array  # int32
+    stream: Stream
     done: jax.Array  # bool
     stats: GenStats
 
@@ -156,77 +173,107 @@ def _serving_layout_fits(target) -> bool:
     return 3 * dense <= SERVING_COPY_BUDGET_BYTES  # dequantised, fused for 'all', per expert for 'used'
 
 
+def serving_pair(target, drafter):
+    """The (target, drafter) a generation runs: their serving copies when ``_serving_layout_fits`` (made inside
+    generate's program; a serving engine makes them once), else the modules themselves."""
+    if not _serving_layout_fits(target):
+        return target, drafter
+    served = with_serving_layout(target)
+    return served, (drafter_serving_layout(drafter, target.config.serving_dtype) if drafter is not None else None)
+
+
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None):
     """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold, stream.
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
-    target = nnx.merge(t_graph, t_state)
-    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
-    if _serving_layout_fits(target):
-        target = with_serving_layout(target)
-        drafter = drafter_serving_layout(drafter, target.config.serving_dtype) if drafter is not None else None
-    cfg = target.config
+    target, drafter = serving_pair(nnx.merge(t_graph, t_state),
+                                   nnx.merge(d_graph, d_state) if d_graph is not None else None)
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
+    st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, P + max_new + G + 1)
+    out = jnp.zeros((max_new + G + 1,), jnp.int32)
+    st = _Loop(out=out, n_out=jnp.int32(0), stream=st0, done=jnp.bool_(False),
+               stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
+    o, n_out, done = _emit(st, first, jnp.int32(1), eos_id, max_new, stream)
+    st = dataclasses.replace(st, out=o, n_out=n_out, done=done)
+
+    def body(st: _Loop) -> _Loop:
+        if drafter is None:
+            nxt_stream, res = plain_step(target, st.stream, sp)
+        else:
+            nxt_stream, res = spec_step(target, drafter, st.stream, sp, threshold)
+        o, n_out, done = _emit(st, res.new_K, res.n_new, eos_id, max_new, stream)
+        acc = st.stats.accept_counts + (jnp.arange(G) < res.accepted).astype(jnp.int32)
+        stats = GenStats(st.stats.target_steps + 1, st.stats.drafted + res.drafted,
+                         st.stats.accepted + res.accepted, acc)
+        return _Loop(o, n_out, nxt_stream, done, stats)
+
+    st = jax.lax.while_loop(lambda s: ~s.done, body, st)
+    return st.out, st.n_out, st.stats
+
+
+def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int):
+    """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
+    (Stream, first token [1]). The drafter's context gets the prompt's taps."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
-    S = P + max_new + G + 1
-    cache = KimiCache.init(cfg, 1, S)
+    cache = KimiCache.init(target.config, 1, max_len)
     valid = jnp.reshape(prompt_len, (1,)).astype(jnp.int32)
     pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid)
     k0, key = jax.random.split(key)
     last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
     first = sample(k0, last_logits[None], sp)
-    embed_VD = target.embed_tokens.embedding[...]
-    lm_head_DV = target.lm_head_DV()
     dcache = None
     if drafter is not None:
-        dcache = drafter.init_cache(1, S)
+        dcache = drafter.init_cache(1, max_len)
         dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
-    out = jnp.zeros((max_new + G + 1,), jnp.int32)
-    st = _Loop(out=out, n_out=jnp.int32(0), anchor=first, cache=pre.cache, dcache=dcache, key=key,
-               done=jnp.bool_(False),
-               stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
-    o, n_out, done = _emit(st, first, jnp.int32(1), eos_id, max_new, stream)
-    st = dataclasses.replace(st, out=o, n_out=n_out, done=done)
+    return Stream(first, pre.cache, dcache, key), first
 
-    def plain_step(st: _Loop) -> _Loop:
-        key, k = jax.random.split(st.key)
-        res = target.forward(st.anchor[:, None], st.cache, mode="decode")
-        nxt = sample(k, res.logits, sp)
-        o, n_out, done = _emit(st, nxt, jnp.int32(1), eos_id, max_new, stream)
-        stats = dataclasses.replace(st.stats, target_steps=st.stats.target_steps + 1)
-        return _Loop(o, n_out, nxt, res.cache, None, key, done, stats)
 
-    def spec_step(st: _Loop) -> _Loop:
-        key, k_draft, k_acc = jax.random.split(st.key, 3)
-        n = st.cache.length  # [1]
-        with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
-            drafts_G, logq_GV, n_verify = _draft_block(drafter, st.dcache, st.anchor, n, embed_VD, lm_head_DV,
-                                                       k_draft, sp, threshold)
-        block = jnp.concatenate([st.anchor, drafts_G])[None]  # [1, G+1]
-        with jax.named_scope("verify"):
-            ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
-        with jax.named_scope("accept"):
-            if sp.greedy:
-                m, nxt = accept_greedy(drafts_G, ver.logits[0], n_verify)
-            else:
-                m, nxt = accept_rejection(k_acc, drafts_G, logq_GV, ver.logits[0], n_verify, sp)
-        with jax.named_scope("commit"):
-            cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
-        with jax.named_scope("append_context"):
-            dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
-        new = jnp.concatenate([drafts_G, jnp.zeros((1,), jnp.int32)])
-        new = new.at[m].set(nxt)
-        o, n_out, done = _emit(st, new, m + 1, eos_id, max_new, stream)
-        acc = st.stats.accept_counts + (jnp.arange(G) < m).astype(jnp.int32)
-        stats = GenStats(st.stats.target_steps + 1, st.stats.drafted + n_verify, st.stats.accepted + m, acc)
-        return _Loop(o, n_out, nxt[None], cache, dcache, key, done, stats)
+def plain_step(target, st: Stream, sp: SamplingParams):
+    """One target decode of the anchor: (Stream, StepOut) with one new token."""
+    key, k = jax.random.split(st.key)
+    res = target.forward(st.anchor[:, None], st.cache, mode="decode")
+    nxt = sample(k, res.logits, sp)
+    one = jnp.int32(1)
+    return Stream(nxt, res.cache, st.dcache, key), StepOut(nxt, one, jnp.int32(0), jnp.int32(0))
 
-    body = spec_step if drafter is not None else plain_step
-    st = jax.lax.while_loop(lambda s: ~s.done, body, st)
-    return st.out, st.n_out, st.stats
+
+def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float = 0.0, width=None,
+              max_drafts=None):
+    """One fused draft -> verify -> accept -> commit step of one stream (see the module docstring).
+
+    ``width`` (static; default G + 1): the verified block's length, anchor included (a serving engine compiles a
+    few widths and picks one per step); ``max_drafts`` (traced, optional): verify at most this many drafts (0: the
+    step is a plain decode inside the block). The number verified depends only on the drafter's outputs, so the
+    rejection rule stays lossless. Returns (Stream, StepOut with new_K of ``width`` tokens)."""
+    G = drafter.config.block_size
+    W = G + 1 if width is None else int(width)
+    if not 1 <= W <= G + 1:
+        raise ValueError(f"width: expected 1..{G + 1}, got {W}")
+    taps = tuple(drafter.config.aux_hidden_state_layer_ids)
+    key, k_draft, k_acc = jax.random.split(st.key, 3)
+    n = st.cache.length  # [1]
+    with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
+        drafts_G, logq_GV, n_verify = _draft_block(drafter, st.dcache, st.anchor, n,
+                                                   target.embed_tokens.embedding[...], target.lm_head_DV(),
+                                                   k_draft, sp, threshold)
+    drafts, logq = drafts_G[:W - 1], logq_GV[:W - 1]
+    n_verify = jnp.minimum(n_verify, W - 1)
+    if max_drafts is not None:
+        n_verify = jnp.minimum(n_verify, jnp.asarray(max_drafts, jnp.int32))
+    block = jnp.concatenate([st.anchor, drafts])[None]  # [1, W]
+    with jax.named_scope("verify"):
+        ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
+    with jax.named_scope("accept"):
+        m, nxt = accept(k_acc, drafts, logq, ver.logits[0], n_verify, sp)
+    with jax.named_scope("commit"):
+        cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
+    with jax.named_scope("append_context"):
+        dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
+    new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
+    return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m)
 
 
 _generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11))

@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="off,fixed", help=f"of {MODES} (adaptive: once the server has it)")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--requests", type=int, default=None, help="per cell (default: 2 x concurrency, at least 4)")

@@ -1,0 +1,161 @@
+"""The engine's device backend: S slots, each one stream of ``jdspark.speculative`` (the same prefill and the same
+draft / verify / accept / commit step as batch-1 ``generate``), mapped over the active slots with ``jax.vmap``.
+
+State: a ``speculative.Stream`` whose every leaf has a leading slot axis [S, ...] (target cache, drafter cache,
+anchor, RNG key), plus per-slot sampling parameters and draft caps on the host. One step:
+
+    active slots -> padded to a compiled batch bucket b (1, 2, 4, ... S) -> gather their rows
+    vmap(spec_step) over the b rows at a compiled verify width W (or plain_step for a step with no drafting)
+    scatter the rows back; each row committed its own number of tokens (KDA / conv state selected per row,
+    MLA and drafter lengths per row: batch 1 inside the map)
+
+``insert`` prefills one prompt at batch 1 (its length bucketed) and writes the row into its slot (slot index
+traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` before the server says ready.
+Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdspark.engine import SamplingRequest, StepOutput
+from jdspark.sampling import SamplingParams
+from jdspark.speculative import Stream, plain_step, prefill_stream, serving_pair, spec_step
+
+__all__ = ["SlotBackend", "buckets_up_to"]
+
+
+def buckets_up_to(n: int, smallest: int = 1) -> tuple:
+    """Powers of two from ``smallest`` up to and including n."""
+    out, b = [], smallest
+    while b < n:
+        out.append(b)
+        b *= 2
+    return tuple(out + [n])
+
+
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len"), donate_argnames=("state",))
+def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
+            *, max_len):
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    sp = SamplingParams.rows(temp, top_k, top_p)
+    row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len)
+    state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
+    return state, first
+
+
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width"), donate_argnames=("state",))
+def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, topp_b, cap_b, *, width):
+    """One step of the rows ``rows_b`` (slot indices; a padded bucket may repeat a row: only its first copy is
+    written back, and copies compute the same thing)."""
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
+    sub = jax.tree.map(lambda s: s[rows_b], state)
+
+    def one(st, t, k, p, cap):
+        sp = SamplingParams.rows(t, k, p)
+        if drafter is None or width == 1:
+            return plain_step(target, st, sp)
+        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap)
+
+    new, out = jax.vmap(one)(sub, temp_b, topk_b, topp_b, cap_b)
+    state = jax.tree.map(lambda s, n: s.at[rows_b].set(n), state, new)
+    return state, out
+
+
+class SlotBackend:
+    """``Backend`` of ``jdspark.engine`` over a target (and optional DSpark drafter)."""
+
+    def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
+                 prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
+                 seed: int = 0):
+        if num_slots < 1:
+            raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
+        self.target, self.drafter = serving_pair(target, drafter)
+        self.cfg = target.config
+        self.num_slots, self.max_len = int(num_slots), int(max_len)
+        self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
+        self.G = drafter.config.block_size if drafter is not None else 0
+        if self.prompt_buckets[-1] + self.G + 2 > self.max_len:
+            raise ValueError(f"prompt_buckets: the largest ({self.prompt_buckets[-1]}) + a token + a block must fit "
+                             f"max_len ({self.max_len})")
+        self.batch_buckets = tuple(batch_buckets or buckets_up_to(self.num_slots))
+        self.t_graph, self.t_state = nnx.split(self.target)
+        self.d_graph, self.d_state = nnx.split(self.drafter) if self.drafter is not None else (None, None)
+        row, _ = jax.eval_shape(lambda: prefill_stream(
+            self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
+            jax.random.key(0), SamplingParams(), self.max_len))
+        self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
+        self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
+        self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
+        self.params[:, 2] = 1.0
+        self.lengths = np.zeros(self.num_slots, np.int64)  # positions each slot's cache holds (host copy)
+
+    # ------------------------------------------------------------------ Backend
+    def prompt_bucket(self, n: int) -> int:
+        for b in self.prompt_buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})")
+
+    def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
+        n = len(req.prompt_ids)
+        P = self.prompt_bucket(n)
+        if n + req.max_tokens + self.G + 1 > self.max_len:
+            raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) + a block ({self.G + 1}) exceed the "
+                             f"slots' cache of {self.max_len} positions")
+        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
+        padded[0, :n] = req.prompt_ids
+        cap = self.G if req.speculative else 0
+        self.params[slot] = (req.temperature, req.top_k, req.top_p, cap)
+        self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
+                                    jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
+                                    jax.random.key(req.seed), jnp.float32(req.temperature),
+                                    jnp.int32(req.top_k), jnp.float32(req.top_p), max_len=self.max_len)
+        self.lengths[slot] = n
+        return StepOutput([int(np.asarray(first)[0])])
+
+    def step(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
+        slots = list(slots)
+        b = next(x for x in self.batch_buckets if x >= len(slots))
+        rows = np.array(slots + [slots[0]] * (b - len(slots)), np.int32)
+        caps = self.params[rows, 3]
+        W = 1 if self.drafter is None or caps.max() == 0 else (width or self.G + 1)
+        self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
+                                jnp.asarray(rows), jnp.asarray(self.params[rows, 0], jnp.float32),
+                                jnp.asarray(self.params[rows, 1], jnp.int32),
+                                jnp.asarray(self.params[rows, 2], jnp.float32),
+                                jnp.asarray(caps, jnp.int32), width=W)
+        new, n_new, drafted, accepted = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted))
+        new = np.asarray(new).reshape(b, -1)
+        res = {}
+        for i, s in enumerate(slots):
+            k = int(np.asarray(n_new).reshape(-1)[i])
+            self.lengths[s] += k
+            res[s] = StepOutput(new[i, :k].tolist(), drafted=int(np.asarray(drafted).reshape(-1)[i]),
+                                accepted=int(np.asarray(accepted).reshape(-1)[i]), verified=W)
+        return res
+
+    def free(self, slot: int) -> None:
+        self.params[slot] = (0.0, 0, 1.0, 0)
+        self.lengths[slot] = 0
+
+    def warm_up(self, widths: Sequence[int] = ()) -> None:
+        """Compile every prompt bucket's insert and every (batch bucket, width) step before serving."""
+        for P in self.prompt_buckets:
+            self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
+        ws = sorted(set(widths) | ({self.G + 1} if self.drafter is not None else set()) | {1})
+        for b in self.batch_buckets:
+            for w in ws:
+                for s in range(b):
+                    self.params[s, 3] = self.G if w > 1 else 0
+                self.step(list(range(b)), width=w)
+        for s in range(self.num_slots):
+            self.free(s)
