@@ -20,7 +20,6 @@ from a copy of its weights laid out for these passes, made once at the start of 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -248,7 +247,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
             raise ValueError(f"prompt_ids: generate serves one stream (batch 1); got batch {ids.shape[0]}")
         ids = ids[0]
     if ids.ndim != 1 or ids.shape[0] == 0:
-        raise ValueError(f"prompt_ids: expected a non-empty 1-D sequence of token ids, got shape {np.shape(prompt_ids)}")
+        raise ValueError("prompt_ids: expected a non-empty 1-D sequence of token ids, "
+                         f"got shape {np.shape(prompt_ids)}")
     if not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"prompt_ids: expected integer token ids, got dtype {ids.dtype}")
     cfg = target.config

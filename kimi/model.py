@@ -25,8 +25,7 @@ from flax import nnx
 
 from kimi.cache import KimiCache, select_verified
 from kimi.config import KimiConfig
-from kimi.layers import (DecoderLayer, Embed, Linear, RMSNorm, attn_res_pseudo_query, attn_res_site,
-                         weights_to_bf16)
+from kimi.layers import DecoderLayer, Embed, Linear, RMSNorm, attn_res_pseudo_query, attn_res_site, weights_to_bf16
 from kimi.ops import linear as linear_ops
 from kimi.ops.attn_res import attn_res
 

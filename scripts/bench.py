@@ -4,13 +4,14 @@
   python scripts/bench.py --corpus DIR --json       # prompts cut from your own text files
 
 Batch 1, greedy, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes
-run the same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts). Throughput is of the decode phase (each prompt's prefill,
-timed alone, is subtracted); end-to-end figures are reported beside it (``e2e_*``). Reports tokens/s of each, the speedup, accept_len (tokens per target
-step), per-position acceptance, and the cost model's prediction from the measured acceptance: tokens per step over
-(v + r), with r = the measured drafter pass over the measured plain decode step and v = the measured verify pass
-over a decode step (``predicted_speedup``), and with v = 1 as seed 000 assumes for a memory-bound accelerator
-(``predicted_speedup_verify_as_one_step``). The top-level fields describe the
-code workload (or the ``--corpus`` directory); ``workloads`` holds each one.
+run the same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts).
+Throughput is of the decode phase (each prompt's prefill, timed alone, is subtracted); end-to-end figures are
+reported beside it (``e2e_*``). Reports tokens/s of each, the speedup, accept_len (tokens per target step), per-
+position acceptance, and the cost model's prediction from the measured acceptance: tokens per step over (v + r),
+with r = the measured drafter pass over the measured plain decode step and v = the measured verify pass over a
+decode step (``predicted_speedup``), and with v = 1 as seed 000 assumes for a memory-bound accelerator
+(``predicted_speedup_verify_as_one_step``). The top-level fields describe the code workload (or the ``--corpus``
+directory); ``workloads`` holds each one.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens and --repeats must be positive")
 
     import generate as gen
+
     from jdspark import costmodel, workloads
     from jdspark import data as jdata
 

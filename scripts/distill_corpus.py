@@ -42,9 +42,9 @@ def main(argv=None) -> int:
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or any(t < 0 for t in temps):
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens must be positive and temperatures >= 0")
 
+    import generate as gen
     import numpy as np
 
-    import generate as gen
     import jdspark
     from jdspark import data as jdata
 

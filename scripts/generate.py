@@ -36,9 +36,10 @@ DEFAULT_SERVING_DTYPE = "bfloat16"
 def load_pair(ckpt_dir: str, serving_dtype: str = DEFAULT_SERVING_DTYPE):
     """(target, drafter, note). The shipped pair from ``ckpt_dir``; without it a tiny random pair, said loudly.
     ``serving_dtype``: the dtype of the matmul weights a generation serves (``KimiConfig.serving_dtype``)."""
-    import kimi
-    import jdspark
     from flax import nnx
+
+    import jdspark
+    import kimi
 
     tdir, ddir = os.path.join(ckpt_dir, "target"), os.path.join(ckpt_dir, "drafter")
     if os.path.isfile(os.path.join(tdir, "config.json")):

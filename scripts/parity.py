@@ -37,7 +37,6 @@ if str(_ROOT) not in sys.path:  # run as a script: make the repository (kimi, te
 
 import numpy as np  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # the tiny random transformers checkpoint
 
@@ -136,7 +135,6 @@ def our_greedy(model, prompt_1T, n: int) -> list:
 
 def hf_greedy(hf, prompt_1T, n: int) -> list:
     import torch
-
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,

@@ -210,7 +210,7 @@ def roofline(a: argparse.Namespace, cfg, dcfg, mesh, rules, target_mem, drafter_
     size = lambda logical: math.prod(ms[x] for x in rules.mesh_axes(logical))  # noqa: E731
     e_shards, h_shards = size("experts"), size("expert_hidden")
     n_moe = sum(k == "moe" for k in cfg.ffn_kinds)
-    n_kda, n_mla = cfg.num_kda_layers, cfg.num_mla_layers
+    n_mla = cfg.num_mla_layers
     hbm, lat, link = a.hbm_tbps * 1e12, a.coll_latency_us * 1e-6, a.link_gbps * 1e9
     pd = target_mem["per_device"]
     dense = pd.get("other", 0) + pd.get("lm_head", 0)  # every non-expert weight; the embedding is a lookup
@@ -262,6 +262,7 @@ def simulate(a: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import NamedSharding
 
     import jdspark
     import kimi
@@ -269,8 +270,6 @@ def simulate(a: argparse.Namespace) -> dict:
     from jdspark.drafter import DrafterCache, DSparkDrafter
     from kimi.cache import KimiCache
     from kimi.info import abstract_model, param_counts
-    from jax.sharding import NamedSharding
-
     from sharding import cache_specs, make_mesh, mesh_name, rules_for
 
     t_start = time.time()

@@ -47,7 +47,8 @@ import optax
 from flax import nnx
 
 from jdspark import data as jdata
-from jdspark.train import OptConfig, ckpt_manager as _ckpt_manager, make_optimizer, restore_state, save_state
+from jdspark.train import OptConfig, make_optimizer, restore_state, save_state
+from jdspark.train import ckpt_manager as _ckpt_manager
 from kimi import mxfp4
 from kimi.cache import KimiCache
 from kimi.config import KimiConfig

@@ -7,8 +7,16 @@
 
 from sharding.mesh import AXES, make_mesh, mesh_dims, mesh_name
 from sharding.moe_ep import ExpertParallel, moe_ep
-from sharding.rules import (LOGICAL_AXES, RULES, ShardingRules, cache_specs, checkpoint_shardings, logical_to_spec,
-                            param_specs, rules_for)
+from sharding.rules import (
+                            LOGICAL_AXES,
+                            RULES,
+                            ShardingRules,
+                            cache_specs,
+                            checkpoint_shardings,
+                            logical_to_spec,
+                            param_specs,
+                            rules_for,
+)
 from sharding.shard import ShardingPlan, on_mesh, put, replicate, shard_cache, shard_model, unshard_model
 
 __all__ = ["AXES", "make_mesh", "mesh_dims", "mesh_name", "ExpertParallel", "moe_ep", "LOGICAL_AXES", "RULES",

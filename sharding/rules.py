@@ -35,7 +35,8 @@ import re
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 Axis = Union[None, str, tuple]
 

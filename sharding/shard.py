@@ -31,7 +31,8 @@ from typing import Optional
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sharding.moe_ep import ExpertParallel
 from sharding.rules import ShardingRules, _parts, cache_specs, logical_to_spec, param_specs, rules_for

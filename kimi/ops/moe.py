@@ -135,7 +135,8 @@ def experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, num_experts: int, ac
                       linear_beta=None):
     """Every row through every expert in two matmuls, the routing weights folded in between:
 
-        [g | u] = x [W1^T | W3^T]   ([T, 2EF]);    h[t, e, :] = c[t, e] act(g, u)[t, e, :];    y = h W2^T   ([T, EF] @ [EF, D])
+        [g | u] = x [W1^T | W3^T]   ([T, 2EF]);    h[t, e, :] = c[t, e] act(g, u)[t, e, :];
+        y = h W2^T   ([T, EF] @ [EF, D])
 
     with c[t, e] the routing weight of expert e for row t (0 when unrouted). Reads each expert once, no sort; the
     fastest form on CPU for a few rows that touch most experts (a verify block on a small model), because the

@@ -11,8 +11,15 @@ import pytest
 from flax import nnx
 
 from jdspark.config import DSparkConfig
-from jdspark.drafter import (DSparkDrafter, DrafterCache, load_drafter, save_drafter, select_anchors, state_dict,
-                             training_loss)
+from jdspark.drafter import (
+    DrafterCache,
+    DSparkDrafter,
+    load_drafter,
+    save_drafter,
+    select_anchors,
+    state_dict,
+    training_loss,
+)
 
 D, V, NTAP = 64, 128, 3
 
