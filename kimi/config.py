@@ -9,13 +9,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any, Literal, Optional
+
+import jax.numpy as jnp
 
 ActName = Literal["situ", "silu"]
 
 
+class FrozenConfig:
+    """What the frozen config dataclasses (``KimiConfig``, ``jdspark.DSparkConfig``) share: ``dtype`` from the
+    ``param_dtype`` name, and ``replace`` (a validated copy with some fields changed)."""
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
-class KimiConfig:
+class KimiConfig(FrozenConfig):
     # vocabulary and width
     vocab_size: int = 512
     hidden_size: int = 64
@@ -194,15 +209,6 @@ class KimiConfig:
         if self.attn_res_block_size is None:
             return 0
         return -(-self.num_hidden_layers // self.attn_res_block_size)
-
-    @property
-    def dtype(self):
-        import jax.numpy as jnp
-
-        return jnp.dtype(self.param_dtype)
-
-    def replace(self, **kw) -> "KimiConfig":
-        return dataclasses.replace(self, **kw)
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -469,7 +475,5 @@ def _hf_to_fields(raw: dict) -> dict:
     unknown = sorted(set(raw) - set(_ALIASES) - fields - _IGNORED)
     if unknown:
         # Unknown keys are reported, never silently mis-read; most are harmless metadata.
-        import warnings
-
         warnings.warn(f"config.json keys not used by KimiConfig: {unknown}", stacklevel=3)
     return out

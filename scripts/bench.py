@@ -42,7 +42,7 @@ def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> d
 
     from jdspark.drafter import with_serving_layout as drafter_serving
     from jdspark.sampling import SamplingParams
-    from jdspark.speculative import _draft_block
+    from jdspark.speculative import draft_block
     from kimi.model import with_serving_layout
 
     G = drafter.config.block_size
@@ -60,7 +60,7 @@ def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> d
     emb, lm = target.embed_tokens.embedding[...], target.lm_head_DV()
     taps = tuple(drafter.config.aux_hidden_state_layer_ids)
     fns = {
-        "draft": (jax.jit(lambda s, c, a, k: _draft_block(nnx.merge(gd, s), c, a, jnp.array([ctx]), emb, lm, k,
+        "draft": (jax.jit(lambda s, c, a, k: draft_block(nnx.merge(gd, s), c, a, jnp.array([ctx]), emb, lm, k,
                                                           SamplingParams(), 0.0)[0]),
                   (sd, dcache, jnp.asarray(block_ids[:1]), jax.random.key(0))),
         "verify": (jax.jit(lambda s, c, t: nnx.merge(gt, s).forward(t, c, mode="verify", tap_layers=taps).logits),

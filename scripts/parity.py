@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:  # run as a script: make the repository (kimi, tests.parity.fla_ref) importable
-    sys.path.insert(0, str(_ROOT))
+for _p in (_ROOT, _ROOT / "scripts"):  # the repository (kimi) and this folder (fla_ref), however it is loaded
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 import numpy as np  # noqa: E402
 
@@ -205,9 +206,9 @@ def kda_vs_fla(seed: int = 0) -> float:
     partial, K=16 != V=8, a non-zero initial state): max abs diff over outputs and final states."""
     import jax
     import torch
+    from fla_ref import load_fla_naive
 
     from kimi.ops import kda
-    from tests.parity.fla_ref import load_fla_naive
 
     B, T, H, K, V = 2, 37, 3, 16, 8
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
