@@ -257,11 +257,11 @@ class KimiConfig(FrozenConfig):
     def demo(cls, **kw) -> "KimiConfig":
         """Small K3-shaped model for the shipped default checkpoint (byte-level vocabulary, jdspark.data).
 
-        Sized for scripts/train_target.py on a 2-core CPU (~1.5k tokens/s at 4 x 512 tokens per step): 6 layers
-        (KDA x4, MLA at 4 and 6, AttnRes blocks of 3), hidden 256, 8 experts top-2 + 1 shared (LatentMoE 128),
-        ~5.2M parameters, ~11 MB exported with MXFP4 experts (8 experts: a verify block touches every expert, and
-        on CPU the MoE runs every row through every expert). KDA chunks of 16: on XLA:CPU the chunked form's
-        triangular solve grows steeply with the chunk (32 is ~1.5x slower to train, 64 stalls)."""
+        Sized for scripts/train_target.py on a small CPU: 6 layers (KDA x4, MLA at 4 and 6, AttnRes blocks of 3),
+        hidden 256, 8 experts top-2 + 1 shared (LatentMoE 128), ~5.2M parameters, ~11 MB exported with MXFP4
+        experts (8 experts: a verify block touches every expert, and on CPU the MoE runs every row through every
+        expert). KDA chunks of 16: on XLA:CPU the chunked form's triangular solve grows steeply with the chunk
+        (docs/performance.md)."""
         base = dict(
             vocab_size=384, hidden_size=256, num_hidden_layers=6, kda_layers=(1, 2, 3, 5), full_attn_layers=(4, 6),
             num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,

@@ -1,8 +1,9 @@
 """Every backend- or size-dependent choice of code path, in one place: layers and ops ask here, none decides itself.
 
-Each threshold is a named constant with its reason in one line; the measurements behind them, with the commands
-that reproduce them, are in ``docs/performance.md``. The choices never change results beyond float summation order
-(and bf16 rounding where the serving copy asks for bf16): every path has a test against its reference.
+Each threshold is a named constant with its reason in one line; the measurements behind them, with the commands that
+reproduce them (``scripts/bench_dispatch.py``, ``scripts/bench.py``), are in ``docs/performance.md``. The choices
+never change results beyond float summation order (and bf16 rounding where the serving copy asks for bf16): every
+path has a test against its reference.
 
   KDA prefill     kda_prefill_form     chunked (WY) on accelerators, token scan on CPU
   KDA verify      kda_verify_form      closed-form block up to KDA_BLOCK_MAX_TOKENS, else the scan
@@ -24,13 +25,13 @@ import jax.numpy as jnp
 
 # --------------------------------------------------------------------------------------------------- KDA
 # Verify blocks of up to this many tokens use the closed-form block (a few small matmuls, no loop, the state after
-# any prefix rebuilt on demand); it was 2.7x faster than the scan at T=8 on CPU, and its T x T matrices grow with T.
+# any prefix rebuilt on demand): faster than the scan for a DSpark block; its T x T matrices grow with T.
 KDA_BLOCK_MAX_TOKENS = 16
 
 
 def kda_prefill_form(cfg) -> str:
     """KDA's prefill form: the config's choice, or for "auto" the chunked (WY) form on accelerators and the token
-    scan on CPU, where the scan was 6-30x faster at T=128."""
+    scan on CPU, where XLA runs the small per-token scan faster than the chunk algebra."""
     if cfg.kda_prefill != "auto":
         return cfg.kda_prefill
     return "recurrent" if jax.default_backend() == "cpu" else "chunked"
@@ -65,10 +66,10 @@ def pallas_interpret(interpret: Optional[bool] = None) -> bool:
 # (a verify block on a small model touches most experts anyway).
 MOE_ALL_MAX_ROWS = 16
 # The serving copy's per-expert loop with at most this many experts: one lax.cond per expert, each on its own
-# arrays (a loop's dynamic slice of bf16 weights is upcast to fp32 by XLA:CPU on every step); more: a fori_loop.
+# arrays (XLA:CPU upcasts a loop's dynamic slice of bf16 weights to fp32 on every step); more: a fori_loop.
 USED_UNROLL_MAX_EXPERTS = 32
 # The per-expert loop ('used') instead of the fused pair ('all') while the rows pick at most this fraction of the
-# experts (a loop over all 8 of 8 experts cost ~2x the fused pair); decided at run time on the routing.
+# experts (a loop over all of them costs more than the fused pair); decided at run time on the routing.
 USED_LOOP_MAX_FRACTION = 0.5
 
 
@@ -110,8 +111,8 @@ def serving_copy(cfg, sharded: bool) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------- bf16
-# A single bf16 row is zero-padded to this many: XLA:CPU's bf16 matrix-vector path was ~2.4x slower than its fp32
-# one, while 2 padded rows cost about one fp32 matrix-vector product.
+# A single bf16 row is zero-padded to this many: XLA:CPU's bf16 matrix-vector path is slower than its fp32 one,
+# while 2 padded rows cost about one fp32 matrix-vector product.
 BF16_ROWS_MIN = 2
 
 

@@ -28,6 +28,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import generate as gen  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jdspark  # noqa: E402
+from jdspark import costmodel, workloads  # noqa: E402
+from jdspark import data as jdata  # noqa: E402
+from jdspark.drafter import with_serving_layout as drafter_serving  # noqa: E402
+from jdspark.sampling import SamplingParams  # noqa: E402
+from jdspark.speculative import draft_block  # noqa: E402
+from kimi.model import with_serving_layout  # noqa: E402
+
 
 def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> dict:
     """Wall time of one drafter block pass (context attention + Markov head), one target verify of a block
@@ -36,15 +49,6 @@ def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> d
     block and the ones before them the cached context, so the verify routes real text to its experts (a block of
     one repeated token picks fewer experts and costs less than a verify of real drafts). The caches are as long
     as a generation of ``max_new`` tokens after that prompt makes them (attention reads all of it, masked)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jdspark.drafter import with_serving_layout as drafter_serving
-    from jdspark.sampling import SamplingParams
-    from jdspark.speculative import draft_block
-    from kimi.model import with_serving_layout
-
     G = drafter.config.block_size
     tokens = np.asarray(tokens, np.int32)
     if tokens.shape[0] < G + 2:
@@ -92,8 +96,6 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3) -> di
     subtracted from its full generation, so the figures compare decoding, not prompt processing. End-to-end
     figures (prefill included) are reported too. Every (prompt, mode) is timed ``repeats`` times, the modes
     interleaved, and the fastest run counts: the noise of a shared machine only ever adds time, to either mode."""
-    import jdspark
-
     kw = dict(eos_token_id=-1)  # fixed length: every prompt yields max_new tokens
     for d in (None, drafter):  # compile + warm-up of both programs (excluded)
         jdspark.generate(target, d, prompts[0], max_new_tokens=max_new, **kw)
@@ -147,11 +149,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens and --repeats must be positive")
-
-    import generate as gen
-
-    from jdspark import costmodel, workloads
-    from jdspark import data as jdata
 
     target, drafter, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR, a.serving_dtype or gen.DEFAULT_SERVING_DTYPE)
     print(f"[bench] {note}", file=sys.stderr)

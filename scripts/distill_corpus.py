@@ -22,6 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import generate as gen  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jdspark  # noqa: E402
+from jdspark import data as jdata  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,12 +47,6 @@ def main(argv=None) -> int:
         ap.error(f"--temperatures: expected comma-separated numbers, got {a.temperatures!r}")
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or any(t < 0 for t in temps):
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens must be positive and temperatures >= 0")
-
-    import generate as gen
-    import numpy as np
-
-    import jdspark
-    from jdspark import data as jdata
 
     target, _, note = gen.load_pair(a.checkpoint or gen.DEFAULT_DIR)
     print(f"[distill] {note}", file=sys.stderr)

@@ -23,10 +23,6 @@ def compiler_params(interpret: bool, num_warps: int = 4, num_stages: int = 2):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def pick_block(dim: int, target: int, quantum: int = 1) -> int:
     """The largest power of 2 <= target that divides ``dim`` and is a multiple of ``quantum``; else ``dim`` itself
     (one block; fine in interpret mode, and on the GPU whenever ``dim`` is a power of 2)."""
