@@ -4,15 +4,16 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-REQS   := requirements/base.txt requirements/test.txt requirements/lock.txt pyproject.toml
+REQS   := requirements/base.txt requirements/test.txt requirements/lint.txt requirements/lock.txt pyproject.toml
 
-.PHONY: all install demo test test-fast bench parity info serve clean
+.PHONY: all install demo lint test test-fast bench parity info serve clean
 
 all: test
 
 $(STAMP): $(REQS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/base.txt -r requirements/test.txt
+	$(PIP) install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/base.txt -r requirements/test.txt \
+	  -r requirements/lint.txt
 	# speculators pulls torchvision/torchaudio; their wheels are CUDA-linked and break transformers' imports on CPU
 	$(PIP) uninstall -q -y torchvision torchaudio 2>/dev/null || true
 	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>/dev/null || \
@@ -24,7 +25,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) scripts/generate.py --demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest tests
 
 serve: $(STAMP)

@@ -19,6 +19,8 @@ import json
 import os
 from typing import Any, Optional
 
+from kimi.config import FrozenConfig
+
 _ATTENTION = ("gqa", "mla")
 _MARKOV = ("vanilla", "gated", "rnn")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -26,7 +28,7 @@ _DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
-class DSparkConfig:
+class DSparkConfig(FrozenConfig):
     # DSpark (speculators top-level fields)
     block_size: int = 4
     aux_hidden_state_layer_ids: tuple[int, ...] = (1, 3, 5)
@@ -51,7 +53,7 @@ class DSparkConfig:
     attention_bias: bool = False
     layer_types: Optional[tuple[str, ...]] = None  # None -> every layer "full_attention"
     sliding_window: Optional[int] = None  # None: "sliding_attention" layers behave as full attention
-    attention: str = "gqa"  # "gqa": speculators' Qwen3 layer; "mla": K3-native MLA layer
+    attention: str = "gqa"  # "gqa": speculators' Qwen3 layer; "mla": K3-native MLA layer (shape only: check_buildable)
     # MLA shape (attention == "mla" only; names as in kimi.KimiConfig)
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -136,6 +138,14 @@ class DSparkConfig:
             if self.qk_rope_head_dim % 2:
                 bad("qk_rope_head_dim", f"RoPE needs an even rope slice, got {self.qk_rope_head_dim}")
 
+    def check_buildable(self) -> None:
+        """NotImplementedError unless jdspark builds this drafter: attention='mla' (the K3-native MLA draft layer of
+        the published K3 drafter, ``k3()``) is a validated shape for parameter counts and memory plans only."""
+        if self.attention == "mla":
+            raise NotImplementedError(
+                "DSparkConfig.attention='mla' (the K3-native MLA draft layer) is not implemented yet; "
+                "use attention='gqa' (speculators' Qwen3 layer)")
+
     # ------------------------------------------------------------------ derived
     @property
     def num_taps(self) -> int:
@@ -149,15 +159,6 @@ class DSparkConfig:
     @property
     def resolved_layer_types(self) -> tuple[str, ...]:
         return self.layer_types or ("full_attention",) * self.num_hidden_layers
-
-    @property
-    def dtype(self):
-        import jax.numpy as jnp
-
-        return jnp.dtype(self.param_dtype)
-
-    def replace(self, **kw) -> "DSparkConfig":
-        return dataclasses.replace(self, **kw)
 
     # ------------------------------------------------------------------ presets
     @classmethod

@@ -28,9 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kimi
 from jdspark.drafter import load_drafter
-from jdspark.engine import Engine, Event, QueueFull
+from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
-from jdspark.engine import SamplingRequest
 from jdspark.serve_metrics import ServeMetrics
 from jdspark.slots import SlotBackend
 

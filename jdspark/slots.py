@@ -26,7 +26,7 @@ from flax import nnx
 
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
-from jdspark.speculative import Stream, plain_step, prefill_stream, serving_pair, spec_step
+from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
 
 __all__ = ["SlotBackend", "buckets_up_to"]
 

@@ -20,7 +20,6 @@ from a copy of its weights laid out for these passes, made once at the start of 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -29,10 +28,12 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
 from jdspark.sampling import SamplingParams, accept, process_logits, sample
+from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
-from kimi.model import with_serving_layout
+from kimi.model import check_token_ids, with_serving_layout
 
 
 @jax.tree_util.register_dataclass
@@ -126,27 +127,18 @@ def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int, stream=None):
     return out, n_out, done
 
 
-def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
+def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
                  threshold: float):
     """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (processed), n_verify)."""
     base_BGV, hid_BGD = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV)
     G = base_BGV.shape[1]
-    keys = jax.random.split(key, G)
 
-    def slot(carry, xs):
-        prev_1, mstate = carry
-        base_1V, hid_1D, k = xs
-        bias, mstate = drafter.markov_bias(prev_1, hid_1D, mstate)
-        z = base_1V + bias.astype(jnp.float32)
-        c = drafter.confidence_logit(hid_1D, prev_1) if threshold > 0 else None  # only truncation reads it
-        c = jnp.zeros((1,), jnp.float32) if c is None else c
-        tok = sample(k, z, sp)
-        logq = process_logits(z, sp) if not sp.greedy else jnp.zeros_like(z)
-        return (tok, mstate), (tok[0], logq[0], c[0])
+    def pick(k, z):
+        return sample(k, z, sp), (process_logits(z, sp) if not sp.greedy else jnp.zeros_like(z))
 
-    init = (anchor_1, drafter.init_markov_state(1))
-    _, (drafts_G, logq_GV, conf_G) = jax.lax.scan(
-        slot, init, (jnp.swapaxes(base_BGV, 0, 1), jnp.swapaxes(hid_BGD, 0, 1), keys))
+    drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, jax.random.split(key, G),
+                                                 confidence=threshold > 0)
+    drafts_G, logq_GV, conf_G = drafts[0], logq[0], conf[0]
     if threshold > 0 and drafter.confidence_head is not None:
         survival = jnp.cumprod(jax.nn.sigmoid(conf_G))
         n_verify = jnp.sum(jnp.cumprod((survival >= threshold).astype(jnp.int32))).astype(jnp.int32)
@@ -155,28 +147,10 @@ def _draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, ke
     return drafts_G, logq_GV, n_verify
 
 
-SERVING_COPY_BUDGET_BYTES = 512 << 20
-
-
-def _serving_layout_fits(target) -> bool:
-    """Whether a generation makes the serving copy of the weights (``kimi.model.with_serving_layout``: MXFP4
-    unpacked, fused layouts) once, inside its program: when that copy is small. The one place this is decided.
-    K3-sized experts stay packed (they are why MXFP4 exists), a sharded model keeps its layout, and so does a model
-    that runs the MXFP4 Pallas kernels (``kernels="pallas"``: they read the packed experts the copy would unpack)."""
-    cfg = target.config
-    if getattr(target, "sharding_plan", None) is not None:
-        return False
-    if cfg.kernels == "pallas" and cfg.expert_format == "mxfp4":
-        return False
-    moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)
-    dense = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * cfg.dtype.itemsize
-    return 3 * dense <= SERVING_COPY_BUDGET_BYTES  # dequantised, fused for 'all', per expert for 'used'
-
-
 def serving_pair(target, drafter):
-    """The (target, drafter) a generation runs: their serving copies when ``_serving_layout_fits`` (made inside
-    generate's program; a serving engine makes them once), else the modules themselves."""
-    if not _serving_layout_fits(target):
+    """The (target, drafter) a generation runs: their serving copies when ``kimi.dispatch.serving_copy`` says so
+    (made inside generate's program; a serving engine makes them once), else the modules themselves."""
+    if not dispatch.serving_copy(target.config, target.partition.sharded):
         return target, drafter
     served = with_serving_layout(target)
     return served, (drafter_serving_layout(drafter, target.config.serving_dtype) if drafter is not None else None)
@@ -256,7 +230,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     key, k_draft, k_acc = jax.random.split(st.key, 3)
     n = st.cache.length  # [1]
     with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
-        drafts_G, logq_GV, n_verify = _draft_block(drafter, st.dcache, st.anchor, n,
+        drafts_G, logq_GV, n_verify = draft_block(drafter, st.dcache, st.anchor, n,
                                                    target.embed_tokens.embedding[...], target.lm_head_DV(),
                                                    k_draft, sp, threshold)
     drafts, logq = drafts_G[:W - 1], logq_GV[:W - 1]
@@ -281,50 +255,34 @@ _generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11)
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
-             prompt_bucket: int = 64, stream=None, mesh=None) -> GenerateOutput:
+             prompt_bucket: int = 64, stream=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` so prompts of
     the same padded length share one compiled program. EOS (default: the target's eos_token_id; -1 disables it)
     ends the generation and is included in the output. ``stream(ids)`` receives the committed tokens step by
-    step (host callback: slower, for interactive display). ``mesh``: shard target and drafter on it by
-    sharding/rules.py (in place, once) and run the same program there."""
+    step (host callback: slower, for interactive display). A target and drafter placed on a mesh by
+    ``sharding.shard_model`` run the same program there."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
             raise ValueError(f"prompt_ids: generate serves one stream (batch 1); got batch {ids.shape[0]}")
         ids = ids[0]
     if ids.ndim != 1 or ids.shape[0] == 0:
-        raise ValueError(f"prompt_ids: expected a non-empty 1-D sequence of token ids, got shape {np.shape(prompt_ids)}")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"prompt_ids: expected integer token ids, got dtype {ids.dtype}")
+        raise ValueError("prompt_ids: expected a non-empty 1-D sequence of token ids, "
+                         f"got shape {np.shape(prompt_ids)}")
     cfg = target.config
-    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-        raise ValueError(f"prompt_ids: ids outside the vocabulary [0, {cfg.vocab_size}): "
-                         f"{ids[(ids < 0) | (ids >= cfg.vocab_size)][:8].tolist()}")
+    check_token_ids(ids, cfg.vocab_size, "prompt_ids")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
     if drafter is not None:
-        dc = drafter.config
-        if dc.hidden_size != cfg.hidden_size or dc.vocab_size != cfg.vocab_size:
-            raise ValueError(f"drafter: hidden {dc.hidden_size} / vocab {dc.vocab_size} do not match the target's "
-                             f"{cfg.hidden_size} / {cfg.vocab_size}")
-        bad = [i for i in dc.aux_hidden_state_layer_ids if not 0 <= i <= cfg.num_hidden_layers]
-        if bad:
-            raise ValueError(f"drafter.aux_hidden_state_layer_ids: {bad} outside 0..{cfg.num_hidden_layers}")
+        check_target(drafter.config, target)
     eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
     P = _bucket(len(ids), prompt_bucket)
     padded = np.full((1, P), cfg.pad_token_id, np.int32)
     padded[0, :len(ids)] = ids
-    prompt = jnp.asarray(padded)
-    if mesh is not None:  # shard target and drafter by sharding/rules.py (once); the program runs on the mesh
-        import sharding
-
-        sharding.shard_model(target, mesh)
-        if drafter is not None:
-            sharding.shard_model(drafter, mesh, target.sharding_plan.rules)
-        prompt = sharding.replicate(padded, mesh)
+    prompt = target.partition.replicate(padded)
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),

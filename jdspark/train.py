@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from jdspark.drafter import DSparkDrafter, select_anchors, training_loss
@@ -57,8 +58,6 @@ def make_optimizer(opt: OptConfig) -> optax.GradientTransformation:
 # ---------------------------------------------------------------------------------------------------------------
 # checkpoints (orbax: atomic, keep the last N)
 def ckpt_manager(out: Path, keep: int):
-    import orbax.checkpoint as ocp
-
     opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
     return ocp.CheckpointManager((Path(out) / "ckpt").resolve(), options=opts)
 
@@ -69,8 +68,6 @@ def _leaf_names(tree) -> list[str]:
 
 def save_state(mngr, step: int, tree, meta: dict):
     """Save a pytree of arrays (host copies: device buffers may be donated next step) plus JSON metadata."""
-    import orbax.checkpoint as ocp
-
     leaves = jax.device_get(jax.tree.leaves(tree))
     arrays = {f"leaf_{i:05d}": np.asarray(x) for i, x in enumerate(leaves)}
     meta = dict(meta, leaf_names=_leaf_names(tree), format=CKPT_FORMAT)
@@ -79,8 +76,6 @@ def save_state(mngr, step: int, tree, meta: dict):
 
 def restore_state(mngr, step: int, like):
     """Restore the pytree saved at ``step`` into the structure of ``like``; error if the structures differ."""
-    import orbax.checkpoint as ocp
-
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     names = _leaf_names(like)
     if meta.get("leaf_names") != names:

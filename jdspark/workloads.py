@@ -16,6 +16,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Optional
 
+from jdspark import data as jdata
+
 WORKLOADS = ("code", "structured", "prose")
 _STRUCTURED_EXT = (".json", ".toml", ".yaml", ".yml", ".ini", ".cfg")
 _PROSE_NAMES = ("README", "README.txt", "README.md", "README.rst", "LICENSE", "LICENSE.txt", "COPYING", "NOTICE",
@@ -77,8 +79,6 @@ def _collect(want, limit: int = _MAX_FILES) -> list[bytes]:
 
 def documents(workload: str, corpus: Optional[str] = None) -> list[bytes]:
     """The documents prompts of ``workload`` are cut from."""
-    from jdspark import data as jdata
-
     if workload == "code":
         return jdata.read_documents(jdata.list_files(corpus, "val"))
     if workload == "structured":

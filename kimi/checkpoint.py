@@ -56,24 +56,20 @@ import dataclasses
 import json
 import os
 import re
-import shutil
-import struct
-import tempfile
 from typing import Any, Callable, Mapping, Optional, Union
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 
 from kimi import mxfp4
+from kimi import safetensors_io as st
 from kimi.config import KimiConfig
+from kimi.model import abstract_model
+from kimi.safetensors_io import INDEX_FILE, NP_TO_ST, SINGLE_FILE, LoadReport, TensorRecord, TensorSource, fmt_shape
 
 __all__ = ["load_checkpoint", "save_checkpoint", "PARAM_TABLE", "ALIAS_TABLE", "checkpoint_names"]
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,17 +144,6 @@ _IGNORED = re.compile(r"(?:vision_tower|mm_projector|multi_modal_projector|visio
 _PARAM_RES = tuple((re.compile(p), t, k) for p, t, k in PARAM_TABLE)
 _ALIAS_RES = tuple((re.compile(p), k, t) for p, k, t in ALIAS_TABLE)
 
-# safetensors dtype names <-> NumPy dtypes (ml_dtypes for the ones NumPy lacks)
-_ST_DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
-    "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U64": np.dtype(np.uint64), "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_NP_TO_ST = {v: k for k, v in _ST_DTYPES.items()}
-_NUMPY_NATIVE = {"F64", "F32", "F16", "I64", "I32", "I16", "I8", "U64", "U32", "U16", "U8", "BOOL"}
 _FLOAT_OK = ("F16", "BF16", "F32", "F64")  # float parameters accept any of these (cast on load)
 
 Shardings = Union[None, Mapping[str, jax.sharding.Sharding], Callable[..., Optional[jax.sharding.Sharding]]]
@@ -227,115 +212,14 @@ def _ckpt_shape(entry: _Entry, cfg: KimiConfig) -> tuple:
 def checkpoint_names(cfg: KimiConfig) -> dict:
     """{official checkpoint name: (shape, dtype name)} of what :func:`save_checkpoint` writes for ``cfg``."""
     out = {}
-    for e in _entries(nnx.to_flat_state(nnx.state(_abstract_model(cfg)))):
+    for e in _entries(nnx.to_flat_state(nnx.state(abstract_model(cfg)))):
         for n in e.names:
-            out[n] = (_ckpt_shape(e, cfg), _NP_TO_ST[e.dtype])
+            out[n] = (_ckpt_shape(e, cfg), NP_TO_ST[e.dtype])
     return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading safetensors files
-
-
-class _SafetensorsFile:
-    """One safetensors file: header parsed and checked at open (a truncated or corrupt file is a ValueError
-    naming it); tensors read one at a time with ``safe_open`` (a memory map for BF16 / FP8)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        try:
-            size = os.path.getsize(path)
-            with open(path, "rb") as fh:
-                head = fh.read(8)
-                if len(head) < 8:
-                    raise ValueError(f"{size} bytes, shorter than the 8-byte header length")
-                (n,) = struct.unpack("<Q", head)
-                if n > size - 8:
-                    raise ValueError(f"header of {n} bytes but the file has {size} bytes (truncated?)")
-                header = json.loads(fh.read(n).decode("utf-8"))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
-            self.data_start = 8 + n
-            header.pop("__metadata__", None)
-            self.tensors = {}
-            spans = []
-            for name, info in header.items():
-                dt, shape, (b, e) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
-                if dt not in _ST_DTYPES:
-                    raise ValueError(f"tensor {name!r} has unknown dtype {dt!r}")
-                if e - b != int(np.prod(shape, dtype=np.int64)) * _ST_DTYPES[dt].itemsize:
-                    raise ValueError(f"tensor {name!r}: {e - b} bytes for shape {list(shape)} {dt}")
-                self.tensors[name] = (dt, shape, int(b))
-                spans.append((b, e))
-            end = 0
-            for b, e in sorted(spans):
-                if b != end:
-                    raise ValueError(f"tensor data is not contiguous at byte {b}")
-                end = e
-            if self.data_start + end != size:
-                raise ValueError(f"the header describes {self.data_start + end} bytes but the file has {size} "
-                                 "(truncated or trailing data)")
-            self._st = safe_open(path, framework="numpy")  # safetensors' own checks as well
-        except Exception as exc:  # OSError, JSON, struct, KeyError, SafetensorError ...
-            raise ValueError(f"{path}: not a valid safetensors file: {exc}") from None
-
-    def read(self, name: str, index=None) -> np.ndarray:
-        dt, shape, begin = self.tensors[name]
-        try:
-            if dt in _NUMPY_NATIVE:
-                if index is None:
-                    return self._st.get_tensor(name)
-                return np.asarray(self._st.get_slice(name)[index])
-            mm = np.memmap(self.path, dtype=_ST_DTYPES[dt], mode="r", offset=self.data_start + begin, shape=shape)
-            return np.array(mm if index is None else mm[index])
-        except Exception as exc:
-            raise ValueError(f"{self.path}: reading tensor {name!r} failed: {exc}") from None
-
-
-@dataclasses.dataclass
-class _Src:
-    """Where an official tensor comes from: ``file[key][index]``."""
-
-    file: _SafetensorsFile
-    key: str
-    index: Optional[tuple]
-    shape: tuple
-    dtype: str
-
-    def where(self) -> str:
-        idx = "" if self.index is None else "[" + ", ".join(_fmt_index(i) for i in self.index) + "]"
-        return f"{self.key}{idx} in {os.path.basename(self.file.path)}"
-
-    def read(self) -> np.ndarray:
-        return self.file.read(self.key, self.index)
-
-
-def _fmt_index(i) -> str:
-    if isinstance(i, slice):
-        return f"{'' if i.start is None else i.start}:{'' if i.stop is None else i.stop}"
-    return str(i)
-
-
-def _checkpoint_files(path: str) -> tuple[list[str], Optional[dict]]:
-    idx = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(idx):
-        try:
-            with open(idx) as f:
-                weight_map = json.load(f)["weight_map"]
-        except Exception as exc:
-            raise ValueError(f"{idx}: not a valid safetensors index: {exc}") from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-        if missing:
-            raise ValueError(f"{idx}: lists shard files that do not exist: {missing}")
-        return [os.path.join(path, f) for f in files], weight_map
-    single = os.path.join(path, SINGLE_FILE)
-    if os.path.isfile(single):
-        return [single], None
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        raise ValueError(f"{path}: no {SINGLE_FILE}, no {INDEX_FILE} and no *.safetensors files")
-    return [os.path.join(path, f) for f in files], None
+# Where each official tensor comes from
 
 
 def _resolve_aliases(name: str, shape: tuple, problems: list) -> list:
@@ -351,14 +235,14 @@ def _resolve_aliases(name: str, shape: tuple, problems: list) -> list:
         n = len(target)
         if kind == "split":
             if not shape or shape[0] % n:
-                problems.append(f"{name}: shape {_fmt_shape(shape)} cannot be split into {n} equal parts along "
+                problems.append(f"{name}: shape {fmt_shape(shape)} cannot be split into {n} equal parts along "
                                 "axis 0")
                 return []
             c = shape[0] // n
             return [(t.format(**g), (slice(j * c, (j + 1) * c),)) for j, t in enumerate(target)]
         # experts: axis 0 = expert, axis 1 split into n equal parts
         if len(shape) != 3 or shape[1] % n:
-            problems.append(f"{name}: shape {_fmt_shape(shape)} is not [E, {n} * out, in]")
+            problems.append(f"{name}: shape {fmt_shape(shape)} is not [E, {n} * out, in]")
             return []
         c = shape[1] // n
         return [(t.format(e=e, **g), (e, slice(j * c, (j + 1) * c)) if n > 1 else (e,))
@@ -366,30 +250,8 @@ def _resolve_aliases(name: str, shape: tuple, problems: list) -> list:
     return [(name, None)]
 
 
-def _index_shape(shape: tuple, index) -> tuple:
-    if index is None:
-        return shape
-    out = list(shape)
-    dropped = 0
-    for ax, i in enumerate(index):
-        if isinstance(i, slice):
-            out[ax - dropped] = len(range(*i.indices(shape[ax])))
-        else:
-            out.pop(ax - dropped)
-            dropped += 1
-    return tuple(out)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Load
-
-
-def _abstract_model(cfg: KimiConfig):
-    from kimi.layers import shape_only_init
-    from kimi.model import KimiForCausalLM
-
-    with shape_only_init():
-        return nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def _dtype_name(dtype) -> str:
@@ -398,37 +260,14 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def _fmt_shape(s) -> str:
-    return "[" + ",".join(str(x) for x in s) + "]"
-
-
-class _Report:
-    """Collects every problem of a load; raised as one ValueError."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.missing, self.unexpected, self.shape, self.dtype, self.other = [], [], [], [], []
-
-    def raise_if_any(self):
-        parts = [("missing", self.missing), ("unexpected", self.unexpected), ("mis-shaped", self.shape),
-                 ("mis-typed", self.dtype), ("other", self.other)]
-        n = sum(len(v) for _, v in parts)
-        if not n:
-            return
-        lines = [f"checkpoint {self.path}: {n} problem(s): " + ", ".join(f"{len(v)} {k}" for k, v in parts if v)]
-        for kind, items in parts:
-            lines += [f"  {kind}: {it}" for it in items]
-        raise ValueError("\n".join(lines))
-
-
-def _check_src(report: _Report, name: str, src: _Src, want_shape, want_kinds) -> bool:
+def _check_src(report: LoadReport, name: str, src: TensorSource, want_shape, want_kinds) -> bool:
     ok = True
     if callable(want_shape):
         good, expected = want_shape(src.shape)
     else:
-        good, expected = tuple(src.shape) == tuple(want_shape), _fmt_shape(want_shape)
+        good, expected = tuple(src.shape) == tuple(want_shape), fmt_shape(want_shape)
     if not good:
-        report.shape.append(f"{name}: expected {expected}, found {_fmt_shape(src.shape)} ({src.where()})")
+        report.shape.append(f"{name}: expected {expected}, found {fmt_shape(src.shape)} ({src.where()})")
         ok = False
     if src.dtype not in want_kinds:
         report.dtype.append(f"{name}: expected {'|'.join(want_kinds)}, found {src.dtype} ({src.where()})")
@@ -456,7 +295,7 @@ def _load_transform(entry: _Entry, arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def _plan_load(entries, provided: dict, cfg: KimiConfig, report: _Report):
+def _plan_load(entries, provided: dict, cfg: KimiConfig, report: LoadReport):
     """Checks every entry against the found tensors; returns ([(paths, fn -> {path: host array})], names used)."""
     used: set = set()
     plans = []
@@ -470,7 +309,7 @@ def _plan_load(entries, provided: dict, cfg: KimiConfig, report: _Report):
         kinds = ("U8",) if entry.dtype == np.uint8 else _FLOAT_OK
         src = provided.get(name)
         if src is None:
-            report.missing.append(f"{name}: expected {_fmt_shape(want_shape)} {'|'.join(kinds)}")
+            report.missing.append(f"{name}: expected {fmt_shape(want_shape)} {'|'.join(kinds)}")
             continue
         used.add(name)
         if entry.transform == "a_log":
@@ -511,7 +350,7 @@ def _plan_experts(i, w, group, provided, cfg, report, used) -> list:
             name = _EXPERT[suffix].format(i=i, e=e, w=w)
             src = provided.get(name)
             if src is None:
-                report.missing.append(f"{name}: expected {_fmt_shape(shape)} {'|'.join(kinds)}")
+                report.missing.append(f"{name}: expected {fmt_shape(shape)} {'|'.join(kinds)}")
                 ok = False
                 continue
             used.add(name)
@@ -582,17 +421,18 @@ def load_checkpoint(path, mesh: Optional[jax.sharding.Mesh] = None, dtype=None,
         overrides["param_dtype"] = _dtype_name(dtype)
     cfg = KimiConfig.from_hf_config(path, **overrides)
 
-    graphdef, abstract_state = nnx.split(_abstract_model(cfg))
+    graphdef, abstract_state = nnx.split(abstract_model(cfg))
     flat = list(nnx.to_flat_state(abstract_state))
     entries = _entries(flat)
 
-    files, weight_map = _checkpoint_files(path)
-    report = _Report(path)
-    readers = [_SafetensorsFile(f) for f in files]  # raises on a truncated / corrupt file
+    files, weight_map = st.checkpoint_files(path)
+    report = LoadReport(path)
+    readers = [st.SafetensorsFile(f) for f in files]  # raises on a truncated / corrupt file
     provided: dict = {}
     found_in: dict = {}
     for r in readers:
-        for key, (dt, shape, _) in r.tensors.items():
+        for key, info in r.tensors.items():
+            dt, shape = info.dtype, info.shape
             if key in found_in:
                 report.other.append(f"duplicate: {key} in both {os.path.basename(found_in[key])} and "
                                     f"{os.path.basename(r.path)}")
@@ -605,7 +445,7 @@ def load_checkpoint(path, mesh: Optional[jax.sharding.Mesh] = None, dtype=None,
                                                                                 "language_model.lm_head.weight")):
                 continue
             for official, index in _resolve_aliases(key, shape, report.shape):
-                src = _Src(r, key, index, _index_shape(shape, index), dt)
+                src = TensorSource(r, key, index, st.index_shape(shape, index), dt)
                 if official in provided:
                     report.other.append(f"duplicate: {official} provided by {provided[official].where()} and "
                                         f"{src.where()}")
@@ -620,7 +460,7 @@ def load_checkpoint(path, mesh: Optional[jax.sharding.Mesh] = None, dtype=None,
     for official, src in provided.items():
         if official not in used:
             what = official if src.key == official and src.index is None else f"{official} (from {src.where()})"
-            report.unexpected.append(f"{what}: {_fmt_shape(src.shape)} {src.dtype}")
+            report.unexpected.append(f"{what}: {fmt_shape(src.shape)} {src.dtype}")
     report.raise_if_any()
 
     by_path = {_path_str(p): v for p, v in flat}
@@ -656,26 +496,15 @@ def _save_transform(entry: _Entry, cfg: KimiConfig, host: np.ndarray, k: int) ->
     return host
 
 
-def _write_safetensors(fname: str, tensors: list, fetch):
-    """Stream ``tensors`` ([(name, shape, st_dtype, nbytes, ...)]) into ``fname``; ``fetch(t)`` gives the array."""
-    header: dict = {"__metadata__": {"format": "pt"}}
-    off = 0
-    for t in tensors:
-        header[t[0]] = {"dtype": t[2], "shape": list(t[1]), "data_offsets": [off, off + t[3]]}
-        off += t[3]
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)
-    with open(fname, "wb") as fh:
-        fh.write(struct.pack("<Q", len(hb)))
-        fh.write(hb)
-        for t in tensors:
-            a = np.ascontiguousarray(fetch(t))
-            if a.nbytes != t[3]:
-                raise RuntimeError(f"{t[0]}: {a.nbytes} bytes, expected {t[3]}")
-            fh.write(a.reshape(-1).view(np.uint8).data)
-
-
 _OWN_FILES = re.compile(r"config\.json|model(?:-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveItem(TensorRecord):
+    """One tensor to write, and where its data comes from: expert ``k`` of (or all of) ``entry``'s parameter."""
+
+    entry: Optional[_Entry] = None
+    k: int = 0
 
 
 def save_checkpoint(model, out_dir, max_shard_bytes: Optional[int] = None) -> str:
@@ -690,82 +519,53 @@ def save_checkpoint(model, out_dir, max_shard_bytes: Optional[int] = None) -> st
     cfg: KimiConfig = model.config
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes: expected a positive int or None, got {max_shard_bytes}")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"save_checkpoint: {out_dir} exists and is not a directory")
     flat = list(nnx.to_flat_state(nnx.state(model)))
     entries = _entries(flat)
     arrays = {_path_str(p): v.get_value() for p, v in flat}
 
-    tensors = []  # (name, shape, st_dtype, nbytes, entry, k)
-    for entry in entries:
-        shape = _ckpt_shape(entry, cfg)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * entry.dtype.itemsize
-        for k, name in enumerate(entry.names):
-            tensors.append((name, shape, _NP_TO_ST[entry.dtype], nbytes, entry, k))
-
+    items = [_SaveItem(name, _ckpt_shape(entry, cfg), NP_TO_ST[entry.dtype], entry, k)
+             for entry in entries for k, name in enumerate(entry.names)]
     shards: list = [[]]
     size = 0
-    for t in tensors:
-        if max_shard_bytes is not None and shards[-1] and size + t[3] > max_shard_bytes:
+    for it in items:
+        if max_shard_bytes is not None and shards[-1] and size + it.nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(t)
-        size += t[3]
+        shards[-1].append(it)
+        size += it.nbytes
 
     remaining = {}
-    for t in tensors:
-        remaining[t[4].path] = remaining.get(t[4].path, 0) + 1
+    for it in items:
+        remaining[it.entry.path] = remaining.get(it.entry.path, 0) + 1
     cache: dict = {}
 
-    def fetch(t):
-        entry, k = t[4], t[5]
-        if entry.path not in cache:
-            cache[entry.path] = np.asarray(jax.device_get(arrays[entry.path]))
-        host = cache[entry.path]
-        remaining[entry.path] -= 1
-        if not remaining[entry.path]:
-            del cache[entry.path]
-        return _save_transform(entry, cfg, host, k)
+    def fetch(it: _SaveItem):
+        path = it.entry.path
+        if path not in cache:
+            cache[path] = np.asarray(jax.device_get(arrays[path]))
+        host = cache[path]
+        remaining[path] -= 1
+        if not remaining[path]:
+            del cache[path]
+        return _save_transform(it.entry, cfg, host, it.k)
 
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
+    with st.atomic_directory(out_dir, own_files=_OWN_FILES) as tmp:
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(cfg.to_hf_config(), f, indent=2)
             f.write("\n")
         if len(shards) == 1:  # everything fits: one file, no index (as transformers does)
-            _write_safetensors(os.path.join(tmp, SINGLE_FILE), shards[0], fetch)
+            st.write_safetensors(os.path.join(tmp, SINGLE_FILE), shards[0], fetch)
         else:
             n = len(shards)
             weight_map = {}
             for j, shard in enumerate(shards):
                 fname = f"model-{j + 1:05d}-of-{n:05d}.safetensors"
-                _write_safetensors(os.path.join(tmp, fname), shard, fetch)
-                weight_map.update({t[0]: fname for t in shard})
+                st.write_safetensors(os.path.join(tmp, fname), shard, fetch)
+                weight_map.update({it.name: fname for it in shard})
             with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": sum(t[3] for t in tensors)}, "weight_map": weight_map}, f,
+                json.dump({"metadata": {"total_size": sum(it.nbytes for it in items)}, "weight_map": weight_map}, f,
                           indent=2)
                 f.write("\n")
-        old = None
-        if os.path.exists(out_dir):
-            if not os.path.isdir(out_dir):
-                raise ValueError(f"save_checkpoint: {out_dir} exists and is not a directory")
-            for fname in os.listdir(out_dir):  # keep tokenizer files and the like
-                if not _OWN_FILES.fullmatch(fname) and not os.path.exists(os.path.join(tmp, fname)):
-                    src = os.path.join(out_dir, fname)
-                    (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(tmp, fname))
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "x"))
-        try:
-            os.rename(tmp, out_dir)
-        except BaseException:
-            if old is not None:  # put the previous checkpoint back
-                os.rename(os.path.join(old, "x"), out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        tmp = None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

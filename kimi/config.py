@@ -9,13 +9,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from typing import Any, Literal, Optional
+
+import jax.numpy as jnp
 
 ActName = Literal["situ", "silu"]
 
 
+class FrozenConfig:
+    """What the frozen config dataclasses (``KimiConfig``, ``jdspark.DSparkConfig``) share: ``dtype`` from the
+    ``param_dtype`` name, and ``replace`` (a validated copy with some fields changed)."""
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
 @dataclasses.dataclass(frozen=True)
-class KimiConfig:
+class KimiConfig(FrozenConfig):
     # vocabulary and width
     vocab_size: int = 512
     hidden_size: int = 64
@@ -195,15 +210,6 @@ class KimiConfig:
             return 0
         return -(-self.num_hidden_layers // self.attn_res_block_size)
 
-    @property
-    def dtype(self):
-        import jax.numpy as jnp
-
-        return jnp.dtype(self.param_dtype)
-
-    def replace(self, **kw) -> "KimiConfig":
-        return dataclasses.replace(self, **kw)
-
     # ------------------------------------------------------------------ presets
     @classmethod
     def k3(cls, **kw) -> "KimiConfig":
@@ -251,11 +257,11 @@ class KimiConfig:
     def demo(cls, **kw) -> "KimiConfig":
         """Small K3-shaped model for the shipped default checkpoint (byte-level vocabulary, jdspark.data).
 
-        Sized for scripts/train_target.py on a 2-core CPU (~1.5k tokens/s at 4 x 512 tokens per step): 6 layers
-        (KDA x4, MLA at 4 and 6, AttnRes blocks of 3), hidden 256, 8 experts top-2 + 1 shared (LatentMoE 128),
-        ~5.2M parameters, ~11 MB exported with MXFP4 experts (8 experts: a verify block touches every expert, and
-        on CPU the MoE runs every row through every expert). KDA chunks of 16: on XLA:CPU the chunked form's
-        triangular solve grows steeply with the chunk (32 is ~1.5x slower to train, 64 stalls)."""
+        Sized for scripts/train_target.py on a small CPU: 6 layers (KDA x4, MLA at 4 and 6, AttnRes blocks of 3),
+        hidden 256, 8 experts top-2 + 1 shared (LatentMoE 128), ~5.2M parameters, ~11 MB exported with MXFP4
+        experts (8 experts: a verify block touches every expert, and on CPU the MoE runs every row through every
+        expert). KDA chunks of 16: on XLA:CPU the chunked form's triangular solve grows steeply with the chunk
+        (docs/performance.md)."""
         base = dict(
             vocab_size=384, hidden_size=256, num_hidden_layers=6, kda_layers=(1, 2, 3, 5), full_attn_layers=(4, 6),
             num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
@@ -469,7 +475,5 @@ def _hf_to_fields(raw: dict) -> dict:
     unknown = sorted(set(raw) - set(_ALIASES) - fields - _IGNORED)
     if unknown:
         # Unknown keys are reported, never silently mis-read; most are harmless metadata.
-        import warnings
-
         warnings.warn(f"config.json keys not used by KimiConfig: {unknown}", stacklevel=3)
     return out

@@ -16,16 +16,9 @@ import numpy as np
 from flax import nnx
 
 from kimi.config import KimiConfig
+from kimi.model import abstract_model
 
 PRESETS = ("k3", "kimi_linear_48b", "demo", "tiny")
-
-
-def abstract_model(cfg: KimiConfig):
-    from kimi.layers import shape_only_init
-    from kimi.model import KimiForCausalLM
-
-    with shape_only_init():
-        return nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def _part(path: tuple) -> str:

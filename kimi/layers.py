@@ -16,14 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kimi import mxfp4
+from kimi import dispatch, mxfp4
 from kimi.config import KimiConfig
+from kimi.kernels.kda_decode import kda_layer_step
+from kimi.kernels.mxfp4_moe import routed_experts
 from kimi.ops import kda as kda_ops
 from kimi.ops import linear as linear_ops
 from kimi.ops import mla as mla_ops
 from kimi.ops import moe as moe_ops
 from kimi.ops.activations import glu
-from kimi.ops.norms import rms_norm
+from kimi.ops.norms import qwen3_rms_norm, rms_norm
+from kimi.ops.rope import rope_neox
+from kimi.partitioning import NO_PARTITION
 
 _INIT_STD = 0.02
 
@@ -109,20 +113,32 @@ def uniform_init(rngs: nnx.Rngs, shape, dtype, lo: float, hi: float):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel, no bias; kernel [in, out]."""
+    """y = x @ kernel (+ bias with ``use_bias``); kernel [in, out]. ``init`` (default: N(0, std^2) weights, zero
+    bias) may be a function ``(rngs, in, out) -> (kernel, bias)`` (the drafter's speculators-style inits)."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, std: float = _INIT_STD):
-        self.kernel = nnx.Param(normal_init(rngs, (in_features, out_features), dtype, std))
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, std: float = _INIT_STD,
+                 use_bias: bool = False, init=None):
+        if init is None:
+            w, b = normal_init(rngs, (in_features, out_features), dtype, std), None
+        else:
+            w, b = init(rngs, in_features, out_features)
+        self.kernel = nnx.Param(w.astype(dtype))
+        if use_bias:
+            b = jnp.zeros((out_features,), dtype) if b is None else b
+        self.bias = nnx.Param(b.astype(dtype)) if use_bias else None
 
     def __call__(self, x):
-        return linear_ops.matmul(x, self.kernel[...])
+        y = linear_ops.matmul(x, self.kernel[...])
+        return y if self.bias is None else y + self.bias[...]
 
 
 class Embed(nnx.Module):
-    """Token embedding table [V, D]."""
+    """Token embedding table [V, D]; ``init`` (default N(0, 0.02^2)) may be a function ``(rngs, shape) -> array``."""
 
-    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(normal_init(rngs, (num_embeddings, features), dtype))
+    def __init__(self, num_embeddings: int, features: int, *, dtype, rngs: nnx.Rngs, init=None):
+        shape = (num_embeddings, features)
+        table = normal_init(rngs, shape, dtype) if init is None else init(rngs, shape)
+        self.embedding = nnx.Param(table.astype(dtype))
 
     def __call__(self, ids):
         return jnp.take(self.embedding[...], ids, axis=0)
@@ -137,6 +153,18 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.weight[...], self.eps)
 
 
+class Qwen3RMSNorm(nnx.Module):
+    """Qwen3's RMSNorm (the DSpark drafter's): gain named ``scale``, the normalised input cast back to its dtype
+    before the gain multiplies it (``kimi.ops.norms.qwen3_rms_norm``)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return qwen3_rms_norm(x, self.scale[...], self.eps)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Kimi Delta Attention
 @jax.tree_util.register_dataclass
@@ -147,25 +175,6 @@ class KDAOut:
     conv_BWC: jax.Array
     rollback: object = None  # verify only: the state after every position [B, T, H, K, V], or a KDABlockTrace
     convs_BTWC: Optional[jax.Array] = None  # verify only: the conv state after every position
-
-
-def kda_prefill_form(cfg: KimiConfig) -> str:
-    """The one place that picks KDA's prefill form: the config's choice, or for "auto" the chunked (WY) form on
-    accelerators and the token scan on CPU (measured here: T=128, 4 heads of 64, 0.56 ms vs 3.6-18 ms)."""
-    if cfg.kda_prefill != "auto":
-        return cfg.kda_prefill
-    return "recurrent" if jax.default_backend() == "cpu" else "chunked"
-
-
-KDA_BLOCK_MAX_TOKENS = 16
-
-
-def kda_verify_form(T: int) -> str:
-    """The one place that picks KDA's verify form: the closed-form block (``kda_ops.kda_block``: a few small
-    matmuls, no loop, and the state after any prefix rebuilt on demand) for verify blocks of up to 16 tokens,
-    else the token scan that keeps every per-position state. Measured on CPU at T=8, 4 heads of 64: 52 us
-    for the block and one rollback, 141 us for the scan and a pick."""
-    return "block" if T <= KDA_BLOCK_MAX_TOKENS else "recurrent"
 
 
 class KimiDeltaAttention(nnx.Module):
@@ -194,6 +203,7 @@ class KimiDeltaAttention(nnx.Module):
             self.g_b_proj = Linear(K, P, dtype=dt, rngs=rngs)
         self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
         self.o_proj = Linear(P, D, dtype=dt, rngs=rngs)
+        self.partition = NO_PARTITION  # the sharding plan's hook (KimiForCausalLM.set_partitioner)
 
     def input_projections(self):
         """The projections of the layer input x (``project_many`` runs them as one matmul when fused)."""
@@ -208,16 +218,14 @@ class KimiDeltaAttention(nnx.Module):
         """``valid_len_B`` (prefill only): positions t >= valid_len are padding; they leave the recurrent state
         (beta = 0, g = 0) and the conv state untouched."""
         cfg = self.cfg
-        if cfg.kernels == "pallas" and mode in ("decode", "verify"):  # the fused Pallas step (kimi/kernels)
-            from kimi.kernels.kda_decode import kda_layer_step
+        if dispatch.kda_uses_pallas(cfg, mode):  # the fused Pallas step (kimi/kernels)
             return KDAOut(*kda_layer_step(self, x_BTD, state_BHKV, conv_BWC, verify=mode == "verify"))
         B, T, _ = x_BTD.shape
         H, K, P = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_proj_dim
         q_in, k_in, v_in, gate_in, fa_in, b_in = project_many(self, x_BTD, self.input_projections())
         pre = jnp.stack([q_in, k_in, v_in], axis=2)  # [B, T, 3, P]
-        plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
-        if plan is not None:  # q|k|v side by side: their head splits don't line up along 3P, so gather them once
-            pre = plan.constrain(pre, ("batch", None, None, None))
+        # q|k|v side by side: their head splits don't line up along 3P, so gather them once
+        pre = self.partition.constrain(pre, ("batch", None, None, None))
         pre_BTC = pre.reshape(B, T, 3 * P)
         w_CK = self.conv_weight_CK()
         convs = None
@@ -230,8 +238,8 @@ class KimiDeltaAttention(nnx.Module):
             xx = jnp.concatenate([conv_BWC, pre_BTC.astype(conv_BWC.dtype)], axis=1)
             new_conv = jax.vmap(lambda a, n: jax.lax.dynamic_slice_in_dim(a, n, W, axis=0))(xx, valid_len_B)
         conv_BWC = new_conv
-        if plan is not None:  # the conv runs on the gathered channels; each device then takes its heads
-            qkv_BTC = plan.constrain(qkv_BTC, ("batch", None, None))
+        # the conv runs on the gathered channels; each device then takes its heads
+        qkv_BTC = self.partition.constrain(qkv_BTC, ("batch", None, None))
         qkv = qkv_BTC.astype(jnp.float32).reshape(B, T, 3, H, K)  # (not jnp.split: keeps the head split local)
         q = kda_ops.l2norm(qkv[:, :, 0])
         k = kda_ops.l2norm(qkv[:, :, 1])
@@ -249,11 +257,11 @@ class KimiDeltaAttention(nnx.Module):
             beta_BTH = jnp.where(real_BT[..., None], beta_BTH, 0.0)
             g = jnp.where(real_BT[..., None, None], g, 0.0)
         states = None
-        if mode == "prefill" and kda_prefill_form(cfg) == "chunked":
+        if mode == "prefill" and dispatch.kda_prefill_form(cfg) == "chunked":
             o, state_BHKV = kda_ops.kda_chunked(q, k, v, g, beta_BTH, state_BHKV, chunk_size=cfg.kda_chunk_size)
         elif mode == "prefill":
             o, state_BHKV = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV)
-        elif mode == "verify" and kda_verify_form(T) == "block":
+        elif mode == "verify" and dispatch.kda_verify_form(T) == "block":
             o, states = kda_ops.kda_block(q, k, v, g, beta_BTH, state_BHKV)
             state_BHKV = kda_ops.kda_block_state(states, jnp.full((B,), T, jnp.int32))
         elif mode == "verify":
@@ -310,8 +318,10 @@ class GatedMLA(nnx.Module):
         kpe_new = kv_a[..., L:]
         pos_BT = length_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         if not cfg.mla_use_nope and R:
-            q_pe = mla_ops.rope_neox(q_pe, pos_BT, cfg.rope_theta)
-            kpe_new = mla_ops.rope_neox(kpe_new, pos_BT, cfg.rope_theta)
+            # in fp32, as the rest of the attention scores; kpe has no head axis
+            q_pe = rope_neox(q_pe.astype(jnp.float32), pos_BT, cfg.rope_theta).astype(q_pe.dtype)
+            kpe_new = rope_neox(kpe_new.astype(jnp.float32)[:, :, None], pos_BT, cfg.rope_theta)[:, :, 0].astype(
+                kpe_new.dtype)
         write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0)))
         ckv_BSL = write(ckv_BSL, ckv_new, length_B)
         kpe_BSR = write(kpe_BSR, kpe_new, length_B)
@@ -357,25 +367,6 @@ class Router(nnx.Module):
         return jnp.dot(x_TD.astype(jnp.float32), self.weight[...].astype(jnp.float32).T)
 
 
-def moe_dispatch(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str:
-    """The one place that picks how routed experts run, from static shapes and ``serving_dtype`` (the dtype of the
-    serving copy's expert layouts when ``with_serving_layout`` made them, else None):
-    'gathered' when the rows route to fewer slots than there are experts (decode, small verifies): only the routed
-    experts' weights are read; on the bf16 serving copy 'used' instead (the verify's per-expert loop, so a row is
-    rounded at the same points whichever pass computes it); 'all' when every expert is likely touched anyway and
-    the rows are few (a verify block on a small model): each expert once, no sort; 'all_or_used' for those rows on
-    the serving copy (the picked experts only, when they are few; decided at run time); 'grouped' otherwise
-    (prefill and training): sort by expert and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded
-    batched matmuls: no dense ragged_dot)."""
-    if rows * top_k < num_experts:
-        return "used" if serving_dtype == jnp.bfloat16 else "gathered"
-    if rows <= 16:
-        return "all" if serving_dtype is None else "all_or_used"
-    if jax.default_backend() == "cpu":  # XLA:CPU's ragged_dot runs every row against every group (rows*top_k*E)
-        return "blocked"
-    return "grouped"
-
-
 class RoutedExperts(nnx.Module):
     """E experts, each W2 act(W1 z, W3 z), in the checkpoint's [E, out, in] layout: dense Params, or MXFP4
     codes [E, out, in/2] + E8M0 scales [E, out, in/32] dequantised only for the experts a token routes to."""
@@ -383,6 +374,7 @@ class RoutedExperts(nnx.Module):
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
         E, F, Din = cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_dim
         self.cfg = cfg
+        self.partition = NO_PARTITION  # the sharding plan's hook: expert parallel when it runs them
         shapes = {"w1": (E, F, Din), "w3": (E, F, Din), "w2": (E, Din, F)}
         for name, shape in shapes.items():
             if cfg.expert_format == "mxfp4" and _ABSTRACT[-1]:
@@ -428,7 +420,7 @@ class RoutedExperts(nnx.Module):
         w13, w2 = moe_ops.fuse_experts_for_all(*dense)
         self.all_w13_D2EF, self.all_w2_EFD = ServingLayout(w13), ServingLayout(w2)
         w13_ED2F, w2_EFD = moe_ops.fuse_experts_per_expert(*dense)
-        if self.cfg.num_experts <= moe_ops.USED_UNROLL_MAX_EXPERTS:
+        if self.cfg.num_experts <= dispatch.USED_UNROLL_MAX_EXPERTS:
             for e in range(self.cfg.num_experts):
                 setattr(self, f"used_w13_D2F_{e}", ServingLayout(w13_ED2F[e]))
                 setattr(self, f"used_w2_FD_{e}", ServingLayout(w2_EFD[e]))
@@ -444,16 +436,15 @@ class RoutedExperts(nnx.Module):
                 tuple(getattr(self, f"used_w2_FD_{e}")[...] for e in range(E)))
 
     def __call__(self, z_TD, w_TX, idx_TX):
-        ep = getattr(self, "expert_parallel", None)  # set by sharding.shard_model: experts under jax.shard_map
-        if ep is not None:
-            return ep(self, z_TD, w_TX, idx_TX)
+        y = self.partition.routed_experts(self, z_TD, w_TX, idx_TX)
+        if y is not None:
+            return y
         c = self.cfg
         T, X = idx_TX.shape
         act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
         serving_dtype = self.all_w13_D2EF[...].dtype if hasattr(self, "all_w13_D2EF") else None
-        path = moe_dispatch(T, X, c.num_experts, serving_dtype)
-        if c.kernels == "pallas" and c.expert_format == "mxfp4":  # Pallas kernels on the packed weights
-            from kimi.kernels.mxfp4_moe import routed_experts
+        path = dispatch.moe_path(T, X, c.num_experts, serving_dtype)
+        if dispatch.moe_uses_pallas(c):  # Pallas kernels on the packed weights
             return routed_experts(self, z_TD, w_TX, idx_TX, decode=path in ("gathered", "used"))
         if path == "used":
             return moe_ops.experts_used(z_TD, w_TX, idx_TX, *self.used_layout(), *act)
@@ -491,6 +482,7 @@ class LatentMoE(nnx.Module):
         self.experts = RoutedExperts(cfg, rngs=rngs)
         if cfg.num_shared_experts:
             self.shared_experts = DenseMLP(cfg, cfg.moe_intermediate_size * cfg.num_shared_experts, rngs=rngs)
+        self.partition = NO_PARTITION  # the sharding plan's hook (KimiForCausalLM.set_partitioner)
 
     def input_projections(self):
         """The projections of x besides the router: the latent down-projection and the shared experts' gate/up."""
@@ -513,9 +505,8 @@ class LatentMoE(nnx.Module):
         if c.routed_expert_hidden_size is not None:
             if c.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
-                plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model
-                if plan is not None:  # normalise whole latent rows (not latent shards: saves a reduction)
-                    y = plan.constrain(y, ("batch", None))
+                # normalise whole latent rows (not latent shards: saves a reduction)
+                y = self.partition.constrain(y, ("batch", None))
             y = self.routed_expert_up_proj(y)
         if c.num_shared_experts:
             y = y + self.shared_experts.from_projections(*proj)

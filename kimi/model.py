@@ -23,12 +23,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kimi import mxfp4
 from kimi.cache import KimiCache, select_verified
 from kimi.config import KimiConfig
-from kimi.layers import (DecoderLayer, Embed, Linear, RMSNorm, attn_res_pseudo_query, attn_res_site,
-                         weights_to_bf16)
+from kimi.layers import (
+    DecoderLayer,
+    Embed,
+    Linear,
+    RMSNorm,
+    attn_res_pseudo_query,
+    attn_res_site,
+    fuse_projections,
+    shape_only_init,
+    weights_to_bf16,
+)
 from kimi.ops import linear as linear_ops
 from kimi.ops.attn_res import attn_res
+from kimi.partitioning import NO_PARTITION, Partitioner, set_partitioner
 
 MODES = ("prefill", "decode", "verify")
 
@@ -47,6 +58,17 @@ class ModelOut:
     conv_states: Optional[jax.Array] = None  # verify: [n_kda, B, T, W, 3P]
 
 
+def check_token_ids(tokens, vocab_size: int, name: str) -> np.ndarray:
+    """``tokens`` as a host array; ValueError (naming ``name``) unless they are integer ids in [0, vocab_size)."""
+    tok = np.asarray(tokens)
+    if not np.issubdtype(tok.dtype, np.integer):
+        raise ValueError(f"{name}: expected integer token ids, got dtype {tok.dtype}")
+    if tok.size and (tok.min() < 0 or tok.max() >= vocab_size):
+        bad = tok[(tok < 0) | (tok >= vocab_size)]
+        raise ValueError(f"{name}: token ids {bad[:8].tolist()} outside the vocabulary [0, {vocab_size})")
+    return tok
+
+
 class KimiModel(nnx.Module):
     def __init__(self, cfg: KimiConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -63,6 +85,12 @@ class KimiForCausalLM(nnx.Module):
         self.model = KimiModel(cfg, rngs=rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype, rngs=rngs)
+        self.partition: Partitioner = NO_PARTITION
+
+    def set_partitioner(self, partition: Partitioner):
+        """Install a sharding plan (``sharding.shard_model`` does, after placing the parameters) on the model and
+        on every layer that declares the hook (``partition``); ``NO_PARTITION`` removes it."""
+        set_partitioner(self, partition)
 
     # -------------------------------------------------------------------------------------------- shared weights
     @property
@@ -167,9 +195,7 @@ class KimiForCausalLM(nnx.Module):
             kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
             mla_ckv=stack(new_ckv, ckv), mla_kpe=stack(new_kpe, kpe),
             length=cache.length + (T if valid_len_B is None else valid_len_B.astype(jnp.int32)))
-        plan = getattr(self, "sharding_plan", None)  # set by sharding.shard_model: keep the cache's layout
-        if plan is not None:
-            new_cache = plan.constrain_cache(new_cache)
+        new_cache = self.partition.constrain_cache(new_cache)  # a sharded cache keeps its layout
         out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,
                        taps=jnp.concatenate([taps[t] for t in tap_layers], -1) if tap_layers else None)
         if mode == "verify":
@@ -185,13 +211,7 @@ class KimiForCausalLM(nnx.Module):
         """Host-side validation before any compute (skipped for traced arguments)."""
         if isinstance(tokens, jax.core.Tracer) or isinstance(cache.length, jax.core.Tracer):
             return
-        tok = np.asarray(tokens)
-        if not np.issubdtype(tok.dtype, np.integer):
-            raise ValueError(f"{name}: expected integer token ids, got dtype {tok.dtype}")
-        V = self.config.vocab_size
-        if tok.size and (tok.min() < 0 or tok.max() >= V):
-            bad = tok[(tok < 0) | (tok >= V)]
-            raise ValueError(f"{name}: token ids {bad[:8].tolist()} outside the vocabulary [0, {V})")
+        tok = check_token_ids(tokens, self.config.vocab_size, name)
         if tok.shape[0] != cache.batch_size:
             raise ValueError(f"{name}: batch {tok.shape[0]} does not match the cache's batch {cache.batch_size}")
         T = 1 if tok.ndim == 1 else tok.shape[1]
@@ -200,25 +220,24 @@ class KimiForCausalLM(nnx.Module):
             raise ValueError(f"{name}: {need} positions needed but the cache holds max_len={cache.max_len}; "
                              f"allocate a larger cache with init_cache(max_len=...)")
 
-    def _run(self, mode: str, tokens, cache: KimiCache, tap_layers, mesh, ndim: int) -> ModelOut:
+    def _run(self, mode: str, tokens, cache: KimiCache, tap_layers, ndim: int) -> ModelOut:
         if np.ndim(tokens) != ndim:
             want = "[B, T]" if ndim == 2 else "[B]"
             raise ValueError(f"{mode}: expected tokens {want}, got shape {np.shape(tokens)}")
         self._check(tokens, cache, mode)
-        if mesh is not None:
-            tokens, cache = _on_mesh(self, mesh, tokens, cache)
+        tokens, cache = self.partition.place(tokens, cache)
         tokens_BT = jnp.asarray(tokens, jnp.int32)
         return run_forward(self, tokens_BT if ndim == 2 else tokens_BT[:, None], cache, mode, tuple(tap_layers))
 
-    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
-        """``mesh``: run sharded on it (sharding.on_mesh: parameters once, the cache and tokens by the rules)."""
-        return self._run("prefill", tokens_BT, cache, tap_layers, mesh, 2)
+    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+        """A sharded model (``sharding.shard_model``) places the tokens and the cache by its rules first."""
+        return self._run("prefill", tokens_BT, cache, tap_layers, 2)
 
-    def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
-        return self._run("decode", token_B, cache, tap_layers, mesh, 1)
+    def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+        return self._run("decode", token_B, cache, tap_layers, 1)
 
-    def verify(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), mesh=None) -> ModelOut:
-        return self._run("verify", tokens_BT, cache, tap_layers, mesh, 2)
+    def verify(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
+        return self._run("verify", tokens_BT, cache, tap_layers, 2)
 
     @staticmethod
     def rollback(out: ModelOut, length_before_B, n_keep_B) -> KimiCache:
@@ -227,25 +246,20 @@ class KimiForCausalLM(nnx.Module):
                                jnp.asarray(n_keep_B))
 
 
-def _on_mesh(model, mesh, tokens, cache):
-    from sharding.shard import on_mesh  # sharding imports kimi, not the other way round
-
-    return on_mesh(model, mesh, np.asarray(tokens, np.int32), cache)
+def abstract_model(cfg: KimiConfig) -> KimiForCausalLM:
+    """The model's structure, shapes and dtypes only (``nnx.eval_shape``, no random draws): nothing allocated."""
+    with shape_only_init():
+        return nnx.eval_shape(lambda: KimiForCausalLM(cfg, rngs=nnx.Rngs(0)))
 
 
 def with_dense_experts(model: KimiForCausalLM) -> KimiForCausalLM:
     """The same model with its MXFP4 routed experts dequantised (``expert_format="dense"``), every other weight
     shared. Traceable: ``generate`` uses it inside its program to unpack small models' experts once per generation
     instead of once per step."""
-    from kimi import mxfp4
-    from kimi.layers import shape_only_init
-
     cfg = model.config
     if cfg.expert_format != "mxfp4":
         return model
-    with shape_only_init():
-        abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg.replace(expert_format="dense"), rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(cfg.replace(expert_format="dense")))
 
     def walk(node):
         if not isinstance(node, dict):
@@ -266,8 +280,6 @@ def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
     by side (``project_many``); with ``serving_dtype`` bfloat16, every matmul weight in bf16
     (``kimi.layers.weights_to_bf16``). About three times the experts' bytes. Same weights, same results up to float
     summation order (and bf16 rounding of the matmul inputs)."""
-    from kimi.layers import fuse_projections
-
     model = with_dense_experts(model) if model.config.expert_format == "mxfp4" else nnx.merge(*nnx.split(model))
     for layer in model.model.layers:
         moe = model.config.ffn_kinds[layer.layer_idx] == "moe"

@@ -34,6 +34,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import generate as gen  # noqa: E402
+import jax  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # before pyplot: no display here
+import jax.numpy as jnp  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jdspark  # noqa: E402
+from jdspark import costmodel, textstats, workloads  # noqa: E402
+from jdspark import data as jdata  # noqa: E402
+from jdspark.drafter import with_serving_layout as drafter_serving  # noqa: E402
+from jdspark.evaluate import bits_per_byte  # noqa: E402
+from jdspark.sampling import SamplingParams  # noqa: E402
+from jdspark.speculative import draft_block  # noqa: E402
+from kimi.model import with_serving_layout  # noqa: E402
+
 
 def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> dict:
     """Wall time of one drafter block pass (context attention + Markov head), one target verify of a block
@@ -42,15 +60,6 @@ def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> d
     block and the ones before them the cached context, so the verify routes real text to its experts (a block of
     one repeated token picks fewer experts and costs less than a verify of real drafts). The caches are as long
     as a generation of ``max_new`` tokens after that prompt makes them (attention reads all of it, masked)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jdspark.drafter import with_serving_layout as drafter_serving
-    from jdspark.sampling import SamplingParams
-    from jdspark.speculative import _draft_block
-    from kimi.model import with_serving_layout
-
     G = drafter.config.block_size
     tokens = np.asarray(tokens, np.int32)
     if tokens.shape[0] < G + 2:
@@ -66,7 +75,7 @@ def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> d
     emb, lm = target.embed_tokens.embedding[...], target.lm_head_DV()
     taps = tuple(drafter.config.aux_hidden_state_layer_ids)
     fns = {
-        "draft": (jax.jit(lambda s, c, a, k: _draft_block(nnx.merge(gd, s), c, a, jnp.array([ctx]), emb, lm, k,
+        "draft": (jax.jit(lambda s, c, a, k: draft_block(nnx.merge(gd, s), c, a, jnp.array([ctx]), emb, lm, k,
                                                           SamplingParams(), 0.0)[0]),
                   (sd, dcache, jnp.asarray(block_ids[:1]), jax.random.key(0))),
         "verify": (jax.jit(lambda s, c, t: nnx.merge(gt, s).forward(t, c, mode="verify", tap_layers=taps).logits),
@@ -100,8 +109,6 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
     figures (prefill included) are reported too. Every (prompt, mode) is timed ``repeats`` times, the modes
     interleaved, and the fastest run counts: the noise of a shared machine only ever adds time, to either mode.
     Prompt ``i`` samples with seed ``seeds[i]`` in both modes. Also returns the plain outputs' ids (``_outputs``)."""
-    import jdspark
-
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     kw = dict(eos_token_id=-1, temperature=temperature, top_p=top_p)  # fixed length: max_new tokens each
     for d in (None, drafter):  # compile + warm-up of both programs (excluded)
@@ -146,8 +153,6 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
 
 def degeneracy_figures(tokenizer, outputs, continuations) -> dict:
     """The plain outputs' degeneracy, and the real continuations' cut to each output's length in bytes."""
-    from jdspark import textstats
-
     texts = [tokenizer.decode_bytes(o) for o in outputs]
     fig = textstats.mean_degeneracy(texts)
     fig["reference"] = textstats.mean_degeneracy([c[:len(t)] for t, c in zip(texts, continuations)])
@@ -155,9 +160,6 @@ def degeneracy_figures(tokenizer, outputs, continuations) -> dict:
 
 
 def heldout_bits_per_byte(target, tokenizer, corpus=None, seq_len: int = 512, batches: int = 16) -> float:
-    from jdspark import data as jdata
-    from jdspark.evaluate import bits_per_byte
-
     val = jdata.validation_batches(batch=4, seq_len=seq_len, num_batches=batches, corpus=corpus, tokenizer=tokenizer)
     return bits_per_byte(target, val, jdata.byte_lengths(tokenizer, target.config.vocab_size))
 
@@ -166,13 +168,6 @@ def plot(result: dict, path: str) -> None:
     """Speedup against per-token acceptance p: the cost model with this run's measured r and v, and with the seed's
     r = 0.1, v = 1; the seed's anchors; this run's measured points per workload and row. Per-position acceptance
     beside it. Written to a temporary name, then renamed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from jdspark import costmodel
-
     G = result["block_size"]
     ps = np.linspace(0.0, 0.999, 200)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -211,8 +206,6 @@ def plot(result: dict, path: str) -> None:
 
 def _p_from_accept_len(accept_len: float, G: int) -> float:
     """The constant per-token acceptance p whose expected tokens per step (gamma = G) equal ``accept_len``."""
-    from jdspark import costmodel
-
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = 0.5 * (lo + hi)
@@ -243,10 +236,6 @@ def main(argv=None) -> int:
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens and --repeats must be positive")
     if a.temperature <= 0 or not 0 < a.top_p <= 1:
         ap.error("--temperature must be > 0 and --top-p in (0, 1]")
-
-    import generate as gen
-    from jdspark import costmodel, workloads
-    from jdspark import data as jdata
 
     ckpt = a.checkpoint or gen.DEFAULT_DIR
     target, drafter, note = gen.load_pair(ckpt, a.serving_dtype or gen.DEFAULT_SERVING_DTYPE)

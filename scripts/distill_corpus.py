@@ -23,6 +23,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import generate as gen  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jdspark  # noqa: E402
+from jdspark import data as jdata  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,12 +51,6 @@ def main(argv=None) -> int:
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens must be positive and temperatures >= 0")
     if not 0 < a.top_p <= 1:
         ap.error(f"--top-p: expected 0 < p <= 1, got {a.top_p}")
-
-    import numpy as np
-
-    import generate as gen
-    import jdspark
-    from jdspark import data as jdata
 
     ckpt = a.checkpoint or gen.DEFAULT_DIR
     target, _, note = gen.load_pair(ckpt)

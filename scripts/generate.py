@@ -19,6 +19,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from flax import nnx  # noqa: E402
+
+import jdspark  # noqa: E402
+import kimi  # noqa: E402
+
 DEFAULT_DIR = os.path.join(ROOT, "checkpoints", "default")
 DEMO_PROMPT = '''import os
 
@@ -36,10 +41,6 @@ DEFAULT_SERVING_DTYPE = "bfloat16"
 def load_pair(ckpt_dir: str, serving_dtype: str = DEFAULT_SERVING_DTYPE):
     """(target, drafter, note). The shipped pair from ``ckpt_dir``; without it a tiny random pair, said loudly.
     ``serving_dtype``: the dtype of the matmul weights a generation serves (``KimiConfig.serving_dtype``)."""
-    import kimi
-    import jdspark
-    from flax import nnx
-
     tdir, ddir = os.path.join(ckpt_dir, "target"), os.path.join(ckpt_dir, "drafter")
     if os.path.isfile(os.path.join(tdir, "config.json")):
         target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": serving_dtype})
@@ -107,8 +108,6 @@ def main(argv=None) -> int:
     if a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--max-new-tokens and --repeats must be >= 1")
     prompt = DEMO_PROMPT if a.prompt is None else a.prompt
-
-    import jdspark
 
     target, drafter, note = load_pair(a.checkpoint, a.serving_dtype)
     print(f"[jdspark] {note}", file=sys.stderr)

@@ -32,11 +32,18 @@ import time
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:  # run as a script: make the repository (kimi, tests.parity.fla_ref) importable
-    sys.path.insert(0, str(_ROOT))
+for _p in (_ROOT, _ROOT / "scripts"):  # the repository (kimi) and this folder (fla_ref), however it is loaded
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from fla_ref import load_fla_naive  # noqa: E402
 
+import kimi  # noqa: E402
+from kimi import mxfp4  # noqa: E402
+from kimi.ops import kda  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # the tiny random transformers checkpoint
@@ -101,7 +108,6 @@ def load_pair(ckpt_dir):
     import torch
     from transformers import KimiLinearForCausalLM
 
-    import kimi
 
     ours = kimi.load_checkpoint(ckpt_dir, dtype="float32")
     bad = _unsupported_by_transformers(ours.config)
@@ -136,7 +142,6 @@ def our_greedy(model, prompt_1T, n: int) -> list:
 
 def hf_greedy(hf, prompt_1T, n: int) -> list:
     import torch
-
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
@@ -148,7 +153,6 @@ def hf_greedy(hf, prompt_1T, n: int) -> list:
 
 
 def compare_models(hf, ours, prompt_1T, decode_steps: int = 4, greedy_tokens: int = 32, seed: int = 0) -> dict:
-    import jax.numpy as jnp
     import torch
 
     cfg = ours.config
@@ -205,11 +209,8 @@ def compare_models(hf, ours, prompt_1T, decode_steps: int = 4, greedy_tokens: in
 def kda_vs_fla(seed: int = 0) -> float:
     """FLA ``naive_recurrent_kda`` vs ``kimi.ops.kda.kda_chunked`` (chunk 16, T = 37 so the last chunk is
     partial, K=16 != V=8, a non-zero initial state): max abs diff over outputs and final states."""
-    import jax
     import torch
 
-    from kimi.ops import kda
-    from tests.parity.fla_ref import load_fla_naive
 
     B, T, H, K, V = 2, 37, 3, 16, 8
     ks = jax.random.split(jax.random.PRNGKey(seed), 8)
@@ -236,7 +237,6 @@ def mxfp4_vs_transformers(seed: int = 0) -> float:
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from kimi import mxfp4
 
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(3, 8, 4, 16), dtype=np.uint8)

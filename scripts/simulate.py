@@ -95,12 +95,12 @@ def param_memory(model, mesh, rules) -> dict:
     """Per-device and total bytes of every parameter leaf, split into routed experts / embedding / the rest."""
     from flax import nnx
 
-    from sharding.rules import _parts, param_specs
+    from sharding.rules import param_specs, path_parts
 
     specs = param_specs(model, mesh, rules)
     out = {"per_device": {}, "total": {}}
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        dotted = ".".join(_parts(path))
+        dotted = ".".join(path_parts(path))
         part = ("routed_experts" if ".experts." in dotted and "shared" not in dotted
                 else "embedding" if dotted.endswith("embed_tokens.embedding") or "markov_w1" in dotted
                 else "lm_head" if dotted.startswith("lm_head") else "other")
@@ -137,26 +137,29 @@ def _param_count(model) -> int:
 # ---------------------------------------------------------------------------------------------------- AOT
 def compile_layer(kind: str, cfg, mesh, rules, batch: int, context: int) -> dict:
     """Lower and compile one full-width decode step of a KDA mixer, an MLA mixer or a LatentMoE on ``mesh`` from
-    abstract, sharded inputs; the hooks a sharded model carries are installed."""
+    abstract, sharded inputs, with the sharding plan a sharded model carries."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding
 
     from kimi.layers import GatedMLA, KimiDeltaAttention, LatentMoE, shape_only_init
-    from sharding.rules import CACHE_AXES, _parts, logical_to_spec, module_param_specs
-    from sharding.shard import ShardingPlan, install_hooks
+    from kimi.partitioning import set_partitioner
+    from sharding.rules import CACHE_AXES, logical_to_spec, module_param_specs, path_parts
+    from sharding.shard import ShardingPlan
 
     t0 = time.time()
     Mod = {"kda": KimiDeltaAttention, "mla": GatedMLA, "moe": LatentMoE}[kind]
     with shape_only_init():
         mod = nnx.eval_shape(lambda: Mod(cfg, rngs=nnx.Rngs(0)))
-    install_hooks([mod], ShardingPlan(mesh, rules))
+    set_partitioner(mod, ShardingPlan(mesh, rules))
     graphdef, state = nnx.split(mod)
     specs = module_param_specs(mod, kind, mesh, rules)
-    state = nnx.from_flat_state([
-        (p, v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, specs[".".join(_parts(p))]))))
-        for p, v in nnx.to_flat_state(state)])
+    def placed(p, v):
+        sh = NamedSharding(mesh, specs[".".join(path_parts(p))])
+        return v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh))
+
+    state = nnx.from_flat_state([(p, placed(p, v)) for p, v in nnx.to_flat_state(state)])
 
     def arg(shape, dtype, axes, where):
         sh = NamedSharding(mesh, logical_to_spec(axes, shape, mesh, rules, where))
@@ -211,7 +214,7 @@ def roofline(a: argparse.Namespace, cfg, dcfg, mesh, rules, target_mem, drafter_
     size = lambda logical: math.prod(ms[x] for x in rules.mesh_axes(logical))  # noqa: E731
     e_shards, h_shards = size("experts"), size("expert_hidden")
     n_moe = sum(k == "moe" for k in cfg.ffn_kinds)
-    n_kda, n_mla = cfg.num_kda_layers, cfg.num_mla_layers
+    n_mla = cfg.num_mla_layers
     hbm, lat, link = a.hbm_tbps * 1e12, a.coll_latency_us * 1e-6, a.link_gbps * 1e9
     pd = target_mem["per_device"]
     dense = pd.get("other", 0) + pd.get("lm_head", 0)  # every non-expert weight; the embedding is a lookup
@@ -263,6 +266,7 @@ def simulate(a: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import NamedSharding
 
     import jdspark
     import kimi
@@ -270,8 +274,6 @@ def simulate(a: argparse.Namespace) -> dict:
     from jdspark.drafter import DrafterCache, DSparkDrafter
     from kimi.cache import KimiCache
     from kimi.info import abstract_model, param_counts
-    from jax.sharding import NamedSharding
-
     from sharding import cache_specs, make_mesh, mesh_name, rules_for
 
     t_start = time.time()

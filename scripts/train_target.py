@@ -50,9 +50,11 @@ from flax import nnx
 
 from jdspark import data as jdata
 from jdspark.evaluate import token_nll
-from jdspark.train import OptConfig, ckpt_manager as _ckpt_manager, make_optimizer, restore_state, save_state
+from jdspark.train import OptConfig, make_optimizer, restore_state, save_state
+from jdspark.train import ckpt_manager as _ckpt_manager
 from kimi import mxfp4
 from kimi.cache import KimiCache
+from kimi.checkpoint import save_checkpoint
 from kimi.config import KimiConfig
 from kimi.model import KimiForCausalLM
 from kimi.tokenizer import load_tokenizer
@@ -214,22 +216,9 @@ def to_mxfp4(model: KimiForCausalLM, param_dtype: Optional[str] = None) -> KimiF
 def export_mxfp4(model: KimiForCausalLM, out_dir, param_dtype: Optional[str] = None):
     """Write ``model`` as an HF-style checkpoint (config.json + safetensors) with MXFP4 experts, through
     kimi.checkpoint.save_checkpoint. Returns the quantised model."""
-    try:
-        from kimi.checkpoint import save_checkpoint
-    except ImportError as e:  # the checkpoint writer lives in kimi.checkpoint
-        raise RuntimeError(f"--export needs kimi.checkpoint.save_checkpoint, which is not importable ({e}); "
-                           "the trained weights are safe in the orbax checkpoints: rerun later with "
-                           "--resume --export DIR") from e
     q = to_mxfp4(model, param_dtype)
     save_checkpoint(q, os.fspath(out_dir))
     return q
-
-
-def _check_export_available():
-    try:
-        from kimi.checkpoint import save_checkpoint  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError(f"--export needs kimi.checkpoint.save_checkpoint, which is not importable ({e})") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,8 +272,6 @@ def _fmt_time(s: float) -> str:
 def train(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.export:
-        _check_export_available()
     for name in ("batch", "seq_len", "keep", "log_every"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")

@@ -23,6 +23,7 @@ from typing import Optional
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -70,7 +71,5 @@ def shutdown() -> None:
 def gather(x) -> np.ndarray:
     """The whole value of a global array on every process, as NumPy (sharded over processes or not)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)

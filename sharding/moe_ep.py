@@ -15,9 +15,9 @@ Each device holds E_loc = E / |expert axes| experts (a contiguous block, first e
   4. reduce: ``psum_scatter`` over the gathered axes (each device gets its own rows back, summed over the expert
      shards) and ``psum`` over the remaining expert / hidden axes.
 
-``moe_ep`` is the function (tested against ``kimi.ops.moe``); ``ExpertParallel`` is the static hook that
-``sharding.shard_model`` attaches to every ``RoutedExperts`` module (``experts.expert_parallel``), so the model's
-own jitted forward runs it.
+``moe_ep`` is the function (tested against ``kimi.ops.moe``); ``ExpertParallel`` runs it on a ``RoutedExperts``
+module for the sharding plan (``ShardingPlan.routed_experts``, the hook every ``RoutedExperts`` declares), so the
+model's own jitted forward runs it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from kimi import mxfp4
@@ -145,9 +146,8 @@ def expert_weights(experts) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Static (hashable) hook on ``RoutedExperts.expert_parallel``: runs the module's experts with ``moe_ep`` on
-    ``mesh`` under ``rules`` (experts over ``rules.experts``, hidden over ``rules.expert_hidden``, rows over
-    ``rules.batch`` when they divide)."""
+    """Runs a ``RoutedExperts`` module's experts with ``moe_ep`` on ``mesh`` under ``rules`` (experts over
+    ``rules.experts``, hidden over ``rules.expert_hidden``, rows over ``rules.batch`` when they divide)."""
 
     mesh: jax.sharding.Mesh
     rules: object  # sharding.rules.ShardingRules
@@ -178,8 +178,6 @@ def expert_load(num_experts: int, top_k: int, expert_shards: int, tokens: int = 
     """Monte Carlo routing load under uniform, independent routing (a model, stated as such): for ``tokens``
     tokens each picking ``top_k`` distinct experts, the distinct experts touched overall and, on the busiest of
     ``expert_shards`` contiguous expert blocks, their mean. Used by the roofline in scripts/simulate.py."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     per = num_experts // expert_shards
     distinct, busiest = 0.0, 0.0

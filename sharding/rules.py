@@ -3,12 +3,11 @@
 Two tables, read together:
 
 1. ``ShardingRules`` (a small frozen dataclass, one instance per preset): logical axis name -> mesh axis
-   (``"data"``, ``"tensor"``, a tuple of them, or ``None`` = replicated).
+   (``"data"``, ``"tensor"``, a tuple of them, or ``None`` = replicated). Kept here.
 2. ``PARAM_AXES`` / ``CACHE_AXES``: every parameter of ``KimiForCausalLM`` and ``DSparkDrafter`` and every cache
-   field -> one logical name (or ``None``) per dimension. Modules carry no mesh names; the parameter's path (its
-   official checkpoint name) is the key. Norm gains and AttnRes pseudo-queries are replicated by one pattern
-   (``_REPLICATED``); a parameter that matches nothing is an error, so a new parameter needs a deliberate entry
-   (and the golden snapshot in ``tests/sharding/`` shows the change).
+   field -> one logical name (or ``None``) per dimension, declared by each model package
+   (``kimi/partitioning.py``, ``jdspark/partitioning.py``) and merged here. Modules carry no mesh names; the
+   parameter's path (its official checkpoint name) is the key; a parameter that matches nothing is an error.
 
 A dimension whose size is not divisible by its mesh axes is an error naming the parameter, except ``batch``, which
 is replicated when the rows do not divide (a batch-1 stream on a data-parallel mesh runs on every data rank).
@@ -31,11 +30,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdspark import partitioning as drafter_axes
+from jdspark.drafter import DSparkDrafter
+from kimi import partitioning as target_axes
+from sharding.mesh import mesh_dims
 
 Axis = Union[None, str, tuple]
 
@@ -96,8 +101,6 @@ def rules_for(mesh_or_name: Any) -> ShardingRules:
     if isinstance(mesh_or_name, str):
         if mesh_or_name in RULES:
             return RULES[mesh_or_name]
-        from sharding.mesh import mesh_dims
-
         dims = mesh_dims(mesh_or_name)
     else:
         dims = mesh_shape(mesh_or_name)
@@ -116,126 +119,32 @@ def mesh_shape(mesh: Any) -> dict[str, int]:
     return {str(k): int(v) for k, v in dict(mesh.shape).items()}
 
 
-# ------------------------------------------------------------------------------------------------ parameters
-# Canonical keys: the parameter path with the layer index replaced by the layer's kind ("kda.", "mla." for
-# self_attn; "moe." for block_sparse_moe; "mlp." for the dense MLP; "layer." for a layer's norms and AttnRes
-# sites); drafter paths are prefixed "drafter." and drop the layer index.
-_COL = (None, "kda_heads")
-PARAM_AXES: dict[str, tuple] = {
-    # embeddings and head
-    "embed_tokens.embedding": ("vocab", None),
-    "lm_head.kernel": (None, "vocab"),
-    # Kimi Delta Attention
-    "kda.q_proj.kernel": _COL, "kda.k_proj.kernel": _COL, "kda.v_proj.kernel": _COL, "kda.g_proj.kernel": _COL,
-    # conv kernels [P, 4]: replicated, like the conv state (the q|k|v conv runs on the gathered projections)
-    "kda.q_conv1d": (None, None), "kda.k_conv1d": (None, None), "kda.v_conv1d": (None, None),
-    "kda.f_a_proj.kernel": (None, None), "kda.f_b_proj.kernel": _COL,
-    "kda.g_a_proj.kernel": (None, None), "kda.g_b_proj.kernel": _COL,
-    "kda.A_log": (None,),  # [H] (or 128 zero-padded in checkpoints): tiny, replicated
-    "kda.dt_bias": ("kda_heads",),
-    "kda.b_proj.kernel": (None, "kda_heads"),
-    "kda.o_proj.kernel": ("kda_heads", None),
-    # gated MLA
-    "mla.q_proj.kernel": (None, "mla_heads"),
-    "mla.q_a_proj.kernel": (None, None),
-    "mla.q_b_proj.kernel": (None, "mla_heads"),
-    "mla.kv_a_proj_with_mqa.kernel": (None, None),
-    "mla.kv_b_proj.kernel": (None, "mla_heads"),
-    "mla.o_proj.kernel": ("mla_heads", None),
-    "mla.g_proj.kernel": (None, "mla_heads"),
-    # dense MLP (first_k_dense_replace layers)
-    "mlp.gate_proj.kernel": (None, "mlp_hidden"), "mlp.up_proj.kernel": (None, "mlp_hidden"),
-    "mlp.down_proj.kernel": ("mlp_hidden", None),
-    # LatentMoE
-    "moe.gate.weight": ("router", None), "moe.gate.e_score_correction_bias": ("router",),
-    "moe.routed_expert_down_proj.kernel": (None, "moe_latent"),
-    "moe.routed_expert_up_proj.kernel": ("moe_latent", None),
-    "moe.shared_experts.gate_proj.kernel": (None, "mlp_hidden"),
-    "moe.shared_experts.up_proj.kernel": (None, "mlp_hidden"),
-    "moe.shared_experts.down_proj.kernel": ("mlp_hidden", None),
-    # DSpark drafter (speculators' names)
-    "drafter.fc.kernel": ("draft_taps", None),
-    "drafter.layers.self_attn.q_proj.kernel": (None, "draft_heads"),
-    "drafter.layers.self_attn.q_proj.bias": ("draft_heads",),
-    "drafter.layers.self_attn.k_proj.kernel": (None, "draft_kv_heads"),
-    "drafter.layers.self_attn.k_proj.bias": ("draft_kv_heads",),
-    "drafter.layers.self_attn.v_proj.kernel": (None, "draft_kv_heads"),
-    "drafter.layers.self_attn.v_proj.bias": ("draft_kv_heads",),
-    "drafter.layers.self_attn.o_proj.kernel": ("draft_heads", None),
-    "drafter.layers.self_attn.o_proj.bias": (None,),
-    "drafter.layers.mlp.gate_proj.kernel": (None, "draft_mlp"),
-    "drafter.layers.mlp.up_proj.kernel": (None, "draft_mlp"),
-    "drafter.layers.mlp.down_proj.kernel": ("draft_mlp", None),
-    "drafter.markov_head.markov_w1.embedding": ("vocab", None),
-    "drafter.markov_head.markov_w2.kernel": (None, "vocab"),
-    "drafter.markov_head.markov_w2.bias": ("vocab",),
-    "drafter.markov_head.gate_proj.kernel": (None, None), "drafter.markov_head.gate_proj.bias": (None,),
-    "drafter.markov_head.joint_proj.kernel": (None, None), "drafter.markov_head.joint_proj.bias": (None,),
-    "drafter.confidence_head.proj.kernel": (None, None), "drafter.confidence_head.proj.bias": (None,),
-}
-# routed experts: [E, out, in], dense or MXFP4 (codes [E, out, in/2] + E8M0 scales [E, out, in/32])
-for _w, _axes in (("w1", ("experts", "expert_hidden", None)), ("w3", ("experts", "expert_hidden", None)),
-                  ("w2", ("experts", None, "expert_hidden"))):
-    for _suffix in ("", "_packed", "_scale"):
-        PARAM_AXES[f"moe.experts.{_w}{_suffix}"] = _axes
-# norm gains and AttnRes pseudo-queries: [dim] or [D, 1], replicated
-_REPLICATED = re.compile(r"(^|\.)(\w*norm\.(weight|scale)|\w*_res_proj\.kernel)$")
-
-# ------------------------------------------------------------------------------------------------ caches
-CACHE_AXES: dict[str, dict[str, tuple]] = {
-    "KimiCache": {
-        "kda_state": (None, "batch", "kda_heads", None, None),  # [n_kda, B, H, K, V] fp32
-        # [n_kda, B, W, 3P]: q|k|v side by side, so a contiguous split of 3P would not match the heads
-        "conv_state": (None, "batch", None, None),
-        "mla_ckv": (None, "batch", "cache_seq", "mla_latent"),  # [n_mla, B, S, L]
-        "mla_kpe": (None, "batch", "cache_seq", None),  # [n_mla, B, S, R]
-        "length": ("batch",),
-    },
-    "DrafterCache": {
-        "k": (None, "batch", "draft_kv_heads", None, "cache_seq"),  # [L, B, KVh, hd, S]
-        "v": (None, "batch", "draft_kv_heads", "cache_seq", None),  # [L, B, KVh, S, hd]
-        "length": (),
-    },
-}
-
-
-# ------------------------------------------------------------------------------------------------ lookups
-def _parts(path) -> list[str]:
-    if isinstance(path, str):
-        return path.split(".")
-    return [str(getattr(p, "key", p)) for p in path]
+# ------------------------------------------------------------------------------------------------ the models' tables
+# Each model package declares its own parameters' and caches' logical axes (kimi/partitioning.py,
+# jdspark/partitioning.py); drafter keys are prefixed "drafter." here.
+PARAM_AXES: dict[str, tuple] = {**target_axes.PARAM_AXES,
+                                **{f"drafter.{k}": v for k, v in drafter_axes.PARAM_AXES.items()}}
+CACHE_AXES: dict[str, dict[str, tuple]] = {"KimiCache": target_axes.CACHE_AXES,
+                                           "DrafterCache": drafter_axes.CACHE_AXES}
+path_parts = target_axes.path_parts
 
 
 def canonical_key(path, layer_kinds: Optional[Sequence[str]] = None, drafter: bool = False) -> str:
     """The PARAM_AXES key of a parameter path (tuple or dotted string)."""
-    parts = _parts(path)
     if drafter:
-        parts = [p for i, p in enumerate(parts) if not (i > 0 and parts[i - 1] == "layers" and p.isdigit())]
-        return "drafter." + ".".join(parts)
-    if parts[0] == "model":
-        parts = parts[1:]
-    if len(parts) >= 3 and parts[0] == "layers" and parts[1].isdigit():
-        i, sub = int(parts[1]), parts[2:]
-        if sub[0] == "self_attn":
-            if layer_kinds is None:
-                raise ValueError(f"{'.'.join(_parts(path))}: the layer kinds (config) are needed to tell KDA from MLA")
-            return f"{layer_kinds[i]}." + ".".join(sub[1:])
-        if sub[0] == "block_sparse_moe":
-            return "moe." + ".".join(sub[1:])
-        if sub[0] == "mlp":
-            return "mlp." + ".".join(sub[1:])
-        return "layer." + ".".join(sub)
-    return ".".join(parts)
+        return "drafter." + drafter_axes.canonical_key(path)
+    return target_axes.canonical_key(path, layer_kinds)
 
 
 def param_axes(key: str, ndim: Optional[int] = None) -> tuple:
     """Logical axes of a canonical parameter key (ValueError when no rule covers it)."""
     if key in PARAM_AXES:
         axes = PARAM_AXES[key]
-    elif _REPLICATED.search(key):
+    elif target_axes.REPLICATED.search(key):
         axes = (None,) * (ndim if ndim is not None else 1)
     else:
-        raise ValueError(f"no sharding rule for parameter {key!r}: add it to PARAM_AXES in sharding/rules.py")
+        raise ValueError(f"no sharding rule for parameter {key!r}: add it to PARAM_AXES in kimi/partitioning.py "
+                         "(or jdspark/partitioning.py)")
     if ndim is not None and len(axes) != ndim:
         raise ValueError(f"parameter {key!r}: the rule names {len(axes)} dims {axes}, the array has {ndim}")
     return axes
@@ -275,29 +184,15 @@ def logical_to_spec(axes: Sequence[Optional[str]], shape: Sequence[int], mesh: A
     return P(*out)
 
 
-def _is_drafter(obj) -> bool:
-    from jdspark.drafter import DSparkDrafter
-
-    return isinstance(obj, DSparkDrafter)
-
-
-def _flat(state) -> list:
-    from flax import nnx
-
-    return list(nnx.to_flat_state(state))
-
-
 def param_specs(model, mesh: Any, rules: Optional[ShardingRules] = None) -> dict[str, P]:
     """{dotted path: PartitionSpec} for every state leaf of a KimiForCausalLM or a DSparkDrafter (concrete or
     abstract, e.g. from ``nnx.eval_shape``)."""
-    from flax import nnx
-
     rules = rules or rules_for(mesh)
-    drafter = _is_drafter(model)
+    drafter = isinstance(model, DSparkDrafter)
     kinds = None if drafter else model.config.layer_kinds
     out = {}
-    for path, var in _flat(nnx.state(model)):
-        dotted = ".".join(_parts(path))
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        dotted = ".".join(path_parts(path))
         key = canonical_key(path, kinds, drafter)
         shape = tuple(var.shape)
         out[dotted] = logical_to_spec(param_axes(key, len(shape)), shape, mesh, rules, where=dotted)
@@ -307,12 +202,10 @@ def param_specs(model, mesh: Any, rules: Optional[ShardingRules] = None) -> dict
 def module_param_specs(module, prefix: str, mesh: Any, rules: Optional[ShardingRules] = None) -> dict[str, P]:
     """Specs of a single layer module (a KimiDeltaAttention ``prefix='kda'``, GatedMLA ``'mla'``, LatentMoE
     ``'moe'``, DenseMLP ``'mlp'``): used to compile one full-width layer on its own."""
-    from flax import nnx
-
     rules = rules or rules_for(mesh)
     out = {}
-    for path, var in _flat(nnx.state(module)):
-        dotted = ".".join(_parts(path))
+    for path, var in nnx.to_flat_state(nnx.state(module)):
+        dotted = ".".join(path_parts(path))
         shape = tuple(var.shape)
         key = f"{prefix}.{dotted}"
         out[dotted] = logical_to_spec(param_axes(key, len(shape)), shape, mesh, rules, where=key)

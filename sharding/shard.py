@@ -1,23 +1,22 @@
-"""Placing models and caches on a mesh by the rules, and the static hooks the model's own jitted code reads.
+"""Placing models and caches on a mesh by the rules, and the plan the model's own jitted code reads.
 
   mesh = sharding.make_mesh("tp16")
   sharding.shard_model(model, mesh)                  # params -> NamedSharding by sharding/rules.py (in place);
-                                                     # installs the hooks below; returns the model
-  cache = sharding.shard_cache(model.init_cache(1, 4096), mesh)
-  out = model.prefill(tokens, cache)                 # the same jitted kimi.model.forward_jit, now on 16 devices
-  # or, equivalently, model.prefill(tokens, cache, mesh=mesh) / decode / verify, and
-  # jdspark.generate(model, drafter, prompt, mesh=mesh)
+  sharding.shard_model(drafter, mesh)                # installs the plan below; returns the model
+  out = model.prefill(tokens, model.init_cache(1, 4096))   # the same jitted kimi.model.forward_jit, on 16 devices
+  out = jdspark.generate(model, drafter, prompt)     # the same program, on the mesh
 
-Hooks (plain attributes, so they are part of the NNX graphdef: a sharded model traces and caches its own
-programs, and an unsharded one is untouched):
-  * ``KimiForCausalLM.sharding_plan``: a ``ShardingPlan``; ``forward`` constrains the cache it returns to the
-    cache rules, so a donated cache keeps its layout step after step (also inside ``generate``'s while loop).
-  * ``RoutedExperts.expert_parallel``: a ``sharding.moe_ep.ExpertParallel``; the routed experts run under
-    ``jax.shard_map`` (sort by local expert, grouped matmul on the packed MXFP4 experts, psum).
-  * ``KimiDeltaAttention.sharding_plan`` / ``LatentMoE.sharding_plan``: two activation constraints by logical
-    axes (the q|k|v projections gathered before the short conv; whole latent rows into the latent norm), which
-    keep the compiled decode step at 2 collectives per KDA layer and 3 per MoE layer under tp16.
-  * ``DSparkDrafter.sharding_plan``: the drafter's plan (its parameters are placed; GSPMD does the rest).
+The plan (``ShardingPlan``, a ``kimi.partitioning.Partitioner``) is installed through the hook each model
+declares (``KimiForCausalLM.set_partitioner``, ``DSparkDrafter.set_partitioner``): a static attribute, so it is
+part of the NNX graphdef (a sharded model traces and caches its own programs; an unsharded one is untouched):
+  * ``place``: the model's prefill / decode / verify place their tokens (replicated) and cache by the rules;
+  * ``constrain_cache``: ``forward`` constrains the cache it returns to the cache rules, so a donated cache keeps
+    its layout step after step (also inside ``generate``'s while loop);
+  * ``routed_experts``: the routed experts run under ``jax.shard_map`` (``sharding.moe_ep``: sort by local
+    expert, grouped matmul on the packed MXFP4 experts, psum);
+  * ``constrain``: two activation constraints by logical axes in the layers (the q|k|v projections gathered
+    before KDA's short conv; whole latent rows into LatentMoE's latent norm), which keep the compiled decode step
+    at 2 collectives per KDA layer and 3 per MoE layer under tp16.
 
 Arrays are placed with ``jax.make_array_from_callback`` from host copies, which works for meshes spanning several
 processes (each process supplies its own shards of the same values).
@@ -26,38 +25,47 @@ processes (each process supplies its own shards of the same values).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from kimi.partitioning import NO_PARTITION, Partitioner
 from sharding.moe_ep import ExpertParallel
-from sharding.rules import ShardingRules, _parts, cache_specs, logical_to_spec, param_specs, rules_for
+from sharding.rules import ShardingRules, cache_specs, logical_to_spec, param_specs, path_parts, rules_for
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardingPlan:
+class ShardingPlan(Partitioner):
     """A mesh and its rules: hashable, so it can sit in a graphdef."""
 
     mesh: jax.sharding.Mesh
     rules: ShardingRules
+    sharded = True
 
     def cache_shardings(self, cache):
         specs = cache_specs(cache, self.mesh, self.rules)
         return {f.name: NamedSharding(self.mesh, getattr(specs, f.name)) for f in dataclasses.fields(cache)}
 
     def constrain(self, x, logical_axes):
-        """``x`` constrained (inside a jit) to the sharding of its logical axes under the rules."""
         spec = logical_to_spec(logical_axes, x.shape, self.mesh, self.rules, where="activation")
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
     def constrain_cache(self, cache):
-        """The cache with every field constrained to its rule's sharding (inside a jit)."""
         sh = self.cache_shardings(cache)
         return dataclasses.replace(cache, **{k: jax.lax.with_sharding_constraint(getattr(cache, k), s)
                                              for k, s in sh.items()})
+
+    def routed_experts(self, experts, z_TD, w_TX, idx_TX):
+        return ExpertParallel(self.mesh, self.rules)(experts, z_TD, w_TX, idx_TX)
+
+    def place(self, tokens, cache):
+        return self.replicate(np.asarray(tokens, np.int32)), shard_cache(cache, self.mesh, self.rules)
+
+    def replicate(self, host):
+        return replicate(host, self.mesh)
 
 
 def put(x, sharding: NamedSharding) -> jax.Array:
@@ -77,60 +85,29 @@ def replicate(x, mesh) -> jax.Array:
     return put(x, NamedSharding(mesh, P()))
 
 
-def _is_target(model) -> bool:
-    from kimi.model import KimiForCausalLM
-
-    return isinstance(model, KimiForCausalLM)
-
-
 def shard_model(model, mesh, rules=None):
     """Place every parameter of a ``KimiForCausalLM`` or ``DSparkDrafter`` on ``mesh`` by the rules (default: the
-    mesh's preset, ``rules_for(mesh)``) and install the hooks. In place; returns the model. Idempotent."""
+    mesh's preset, ``rules_for(mesh)``) and install the plan. In place; returns the model. Idempotent."""
     rules = rules_for(mesh) if rules is None else rules_for(rules)
     plan = ShardingPlan(mesh, rules)
-    if getattr(model, "sharding_plan", None) == plan:
+    if model.partition == plan:
         return model
     specs = param_specs(model, mesh, rules)
     flat = []
     for path, var in nnx.to_flat_state(nnx.state(model)):
-        sh = NamedSharding(mesh, specs[".".join(_parts(path))])
+        sh = NamedSharding(mesh, specs[".".join(path_parts(path))])
         flat.append((path, var.replace(put(var.get_value(), sh))))
     nnx.update(model, nnx.from_flat_state(flat))
-    model.sharding_plan = plan
-    if _is_target(model):
-        install_hooks(model.model.layers, plan)
+    model.set_partitioner(plan)
     return model
 
 
-def install_hooks(layers, plan: ShardingPlan):
-    """Attach the static hooks to decoder layers (or single mixer / MoE modules): the plan on every KDA mixer and
-    LatentMoE (activation constraints), ``ExpertParallel`` on every RoutedExperts."""
-    from kimi.layers import KimiDeltaAttention, LatentMoE
-
-    hook = ExpertParallel(plan.mesh, plan.rules)
-    for mod in layers:
-        for m in (mod, getattr(mod, "self_attn", None), getattr(mod, "block_sparse_moe", None)):
-            if isinstance(m, KimiDeltaAttention):
-                m.sharding_plan = plan
-            elif isinstance(m, LatentMoE):
-                m.sharding_plan = plan
-                m.experts.expert_parallel = hook
-
-
 def unshard_model(model):
-    """Remove the hooks and gather every parameter onto one device (the inverse of ``shard_model``)."""
+    """Remove the plan and gather every parameter onto one device (the inverse of ``shard_model``)."""
     flat = [(p, v.replace(jax.device_put(np.asarray(jax.device_get(v.get_value())))))
             for p, v in nnx.to_flat_state(nnx.state(model))]
     nnx.update(model, nnx.from_flat_state(flat))
-    if hasattr(model, "sharding_plan"):
-        del model.sharding_plan
-    if _is_target(model):
-        for layer in model.model.layers:
-            moe = getattr(layer, "block_sparse_moe", None)
-            for m, name in ((layer.self_attn, "sharding_plan"), (moe, "sharding_plan"),
-                            (getattr(moe, "experts", None), "expert_parallel")):
-                if m is not None and hasattr(m, name):
-                    delattr(m, name)
+    model.set_partitioner(NO_PARTITION)
     return model
 
 
@@ -139,11 +116,3 @@ def shard_cache(cache, mesh, rules=None):
     rules = rules_for(mesh) if rules is None else rules_for(rules)
     sh = ShardingPlan(mesh, rules).cache_shardings(cache)
     return dataclasses.replace(cache, **{k: put(getattr(cache, k), s) for k, s in sh.items()})
-
-
-def on_mesh(model, mesh, tokens, cache, rules: Optional[ShardingRules] = None):
-    """What ``prefill / decode / verify(..., mesh=)`` do: shard the model (once), place the cache by the rules and
-    the tokens replicated. Returns (tokens, cache)."""
-    shard_model(model, mesh, rules)
-    rules = model.sharding_plan.rules
-    return replicate(np.asarray(tokens), mesh), shard_cache(cache, mesh, rules)

@@ -8,21 +8,12 @@ Every kernel here is a plain ``pl.pallas_call`` over a grid:
   so the kernels index experts / heads *inside* the body (dynamic ``ref[e, pl.ds(...)]`` loads of an integer read
   from a ref) and never revisit an output block.
 
-``interpret=None`` everywhere means "interpret when the default backend is the CPU".
+``interpret=None`` everywhere means "as ``kimi.dispatch.pallas_interpret`` decides" (interpret on the CPU).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import jax
 from jax.experimental.pallas import triton as pltriton
-
-
-def use_interpret(interpret: Optional[bool]) -> bool:
-    if interpret is None:
-        return jax.default_backend() == "cpu"
-    return bool(interpret)
 
 
 def compiler_params(interpret: bool, num_warps: int = 4, num_stages: int = 2):
@@ -30,10 +21,6 @@ def compiler_params(interpret: bool, num_warps: int = 4, num_stages: int = 2):
     if interpret:
         return None
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-def is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def pick_block(dim: int, target: int, quantum: int = 1) -> int:

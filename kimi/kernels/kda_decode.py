@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kimi.kernels.common import compiler_params, use_interpret
+from kimi import dispatch
+from kimi.kernels.common import compiler_params
 from kimi.ops import kda as kda_ops
 
 _F32 = jnp.float32
@@ -195,7 +196,7 @@ def kda_fused_step(pre_BTC, w_CK, conv_BWC, a_BTHK, A_log_H, dt_bias_HK, b_BTH, 
     return _kda_call(pre_BTC, w_CK, conv_BWC, a_BTHK, A_log_H, dt_bias_HK, b_BTH, gate_BTHV, norm_w_V, state_BHKV,
                      lower_bound=None if lower_bound is None else float(lower_bound), eps_rms=float(eps_rms),
                      eps_l2=float(eps_l2), scale=scale, return_all_states=bool(return_all_states),
-                     interpret=use_interpret(interpret), num_warps=int(num_warps))
+                     interpret=dispatch.pallas_interpret(interpret), num_warps=int(num_warps))
 
 
 @functools.partial(jax.jit, static_argnames=("lower_bound", "eps_rms", "eps_l2", "scale",

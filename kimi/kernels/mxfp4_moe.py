@@ -55,8 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kimi import mxfp4
-from kimi.kernels.common import compiler_params, pick_block, use_interpret
+from kimi import dispatch, mxfp4
+from kimi.kernels.common import compiler_params, pick_block
 from kimi.ops import moe as moe_ops
 from kimi.ops.activations import glu
 
@@ -342,7 +342,7 @@ def moe_decode(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2_
     experts' packed bytes. ``tn`` / ``tk``: output / input tile (default: whole dims up to 512 when interpreting,
     :data:`DECODE_TUNING` on a GPU); ``num_warps``: default from :data:`DECODE_TUNING`; ``dequant``:
     :data:`DEFAULT_DEQUANT`."""
-    interpret = use_interpret(interpret)
+    interpret = dispatch.pallas_interpret(interpret)
     dequant = _dequant(dequant)
     num_warps = num_warps or DECODE_TUNING.num_warps
     T, D = x_TD.shape
@@ -396,21 +396,29 @@ def _rows_of_groups(group_sizes_E, R):
     return jnp.searchsorted(ends, jnp.arange(R), side="right").astype(jnp.int32)
 
 
+def _group_tiles(x_RK, group_sizes_E, E: int, tm: int):
+    """Rows sorted by group laid out in row tiles of ``tm``, every group padded to whole tiles: (the tile position
+    of each row [R], each tile's group [n_tiles] (-1: padding), the tiles' even / odd columns of x)."""
+    R = x_RK.shape[0]
+    g_R = _rows_of_groups(group_sizes_E, R)
+    pos_R, tile_e, n_tiles = _layout(g_R, E + 1, tm)
+    tile_e = jnp.where(tile_e >= E, -1, tile_e)
+    src = jnp.zeros((n_tiles * tm,), jnp.int32).at[pos_R].set(jnp.arange(R, dtype=jnp.int32))
+    xe, xo = _even_odd(x_RK[src])
+    return pos_R, tile_e, xe, xo
+
+
 @functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret", "dequant"))
 def grouped_matmul(x_RK, packed_ENH, scale_ENG, group_sizes_E, *, tm: Optional[int] = None,
                    tn: Optional[int] = None, tk: Optional[int] = None, interpret: Optional[bool] = None,
                    dequant: Optional[str] = None):
     """``jax.lax.ragged_dot(x, dequantize(packed, scale).swapaxes(1, 2), group_sizes)`` with the weights packed:
     rows sorted by group, ``group_sizes`` [E] (empty groups allowed; rows past their sum give zeros). fp32 out."""
-    interpret = use_interpret(interpret)
+    interpret = dispatch.pallas_interpret(interpret)
     R, K = x_RK.shape
     E, N, _ = _check_weights([(packed_ENH, scale_ENG)], K_in=K)
     tm, tn, tk = _grouped_blocks(R, N, K, tm, tn, tk, interpret)
-    g_R = _rows_of_groups(group_sizes_E, R)
-    pos_R, tile_e, n_tiles = _layout(g_R, E + 1, tm)
-    tile_e = jnp.where(tile_e >= E, -1, tile_e)
-    src = jnp.zeros((n_tiles * tm,), jnp.int32).at[pos_R].set(jnp.arange(R, dtype=jnp.int32))
-    xe, xo = _even_odd(x_RK[src])
+    pos_R, tile_e, xe, xo = _group_tiles(x_RK, group_sizes_E, E, tm)
     y = _grouped_call(tile_e, xe, xo, (packed_ENH, scale_ENG), None, mode="plain", act=None, tm=tm, tn=tn, tk=tk,
                       out_dtype=_F32, interpret=interpret, num_warps=4, dequant=_dequant(dequant))
     return y[pos_R]
@@ -422,15 +430,11 @@ def grouped_glu(x_RK, w1_packed, w1_scale, w3_packed, w3_scale, group_sizes_E, a
                 interpret: Optional[bool] = None, dequant: Optional[str] = None):
     """Gate and up fused: ``act(x W1_g^T, x W3_g^T)`` per row of group g (SiTU or SwiGLU epilogue in the kernel),
     rows sorted by group. Output in x's dtype."""
-    interpret = use_interpret(interpret)
+    interpret = dispatch.pallas_interpret(interpret)
     R, K = x_RK.shape
     E, F, _ = _check_weights([(w1_packed, w1_scale), (w3_packed, w3_scale)], K_in=K)
     tm, tn, tk = _grouped_blocks(R, F, K, tm, tn, tk, interpret)
-    g_R = _rows_of_groups(group_sizes_E, R)
-    pos_R, tile_e, n_tiles = _layout(g_R, E + 1, tm)
-    tile_e = jnp.where(tile_e >= E, -1, tile_e)
-    src = jnp.zeros((n_tiles * tm,), jnp.int32).at[pos_R].set(jnp.arange(R, dtype=jnp.int32))
-    xe, xo = _even_odd(x_RK[src])
+    pos_R, tile_e, xe, xo = _group_tiles(x_RK, group_sizes_E, E, tm)
     h = _grouped_call(tile_e, xe, xo, (w1_packed, w1_scale, w3_packed, w3_scale), None, mode="glu",
                       act=_act(act, beta, linear_beta), tm=tm, tn=tn, tk=tk, out_dtype=x_RK.dtype,
                       interpret=interpret, num_warps=4, dequant=_dequant(dequant))
@@ -444,7 +448,7 @@ def moe_grouped(x_TD, w_TX, idx_TX, w1_packed, w1_scale, w3_packed, w3_scale, w2
     """Routed experts for many rows (prefill, verify): the same result as ``moe_ops.experts_grouped`` with the
     dequantised weights. Assignments are laid out by expert with every group padded to the row tile; gate+up and
     down are two grouped kernels on that layout; the X slots of a token are gathered back and summed."""
-    interpret = use_interpret(interpret)
+    interpret = dispatch.pallas_interpret(interpret)
     T, D = x_TD.shape
     X = idx_TX.shape[1]
     A = T * X

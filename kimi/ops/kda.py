@@ -19,7 +19,6 @@ q and k are *not* l2-normalised here; the caller applies :func:`l2norm` (FLA's n
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -4,9 +4,8 @@
   bfloat16 W with fp32 x (the serving copy in bf16, ``KimiConfig.serving_dtype``):
       y = float32( bf16(x) @ W )      inputs rounded to bf16, fp32 accumulation (``preferred_element_type``);
       the result in x's dtype. A bf16 product reads half the bytes and, on CPUs with AVX512-BF16, runs the matrix
-      unit at twice the fp32 rate: on this project's 2-core CPU a verify block's matmuls take about half the time.
-      A single row is zero-padded to ``BF16_ROWS_MIN``: XLA:CPU's bf16 matrix-vector path is ~2.4x slower than
-      its fp32 one, while 2 padded rows cost about one fp32 matrix-vector product. Decode (1 row) and a verify
+      unit at twice the fp32 rate. Rows are zero-padded to ``kimi.dispatch.bf16_rows`` (a single row to 2: the
+      bf16 matrix-vector path of XLA:CPU is slower than its matrix-matrix one). Decode (1 row) and a verify
       block (8 rows) round a row at the same points, so they differ only in fp32 accumulation order, as the fp32
       passes do (greedy speculative decoding stays token-for-token equal to plain decoding).
   bfloat16 W with bf16 x (a bf16 model): the bf16 product, as jnp.dot gives it.
@@ -15,7 +14,7 @@
 import jax
 import jax.numpy as jnp
 
-BF16_ROWS_MIN = 2
+from kimi import dispatch
 
 
 def matmul(x_MK, w, *, w_transposed: bool = False):
@@ -26,8 +25,9 @@ def matmul(x_MK, w, *, w_transposed: bool = False):
     lead, K = x_MK.shape[:-1], x_MK.shape[-1]
     x2 = x_MK.reshape(-1, K)
     M = x2.shape[0]
-    if M < BF16_ROWS_MIN:
-        x2 = jnp.pad(x2, ((0, BF16_ROWS_MIN - M), (0, 0)))
+    rows = dispatch.bf16_rows(M)
+    if rows > M:
+        x2 = jnp.pad(x2, ((0, rows - M), (0, 0)))
     y = jax.lax.dot_general(x2.astype(jnp.bfloat16), w, (((1,), (1 if w_transposed else 0,)), ((), ())),
                             preferred_element_type=jnp.float32)
     return y[:M].reshape(lead + (y.shape[-1],)).astype(x_MK.dtype)

@@ -39,19 +39,22 @@ def _softmax_masked(logits_BHTS, mask_BTS):
     return jax.nn.softmax(logits, axis=-1)
 
 
+def _rope_logits(logits_BHTS, q_pe_BTHR, kpe_BSR):
+    """The rope slice's share of the attention logits (none when the rope slice is empty)."""
+    if not q_pe_BTHR.shape[-1]:
+        return logits_BHTS
+    return logits_BHTS + jnp.einsum("bthr,bsr->bhts", q_pe_BTHR.astype(jnp.float32), kpe_BSR.astype(jnp.float32))
+
+
 def mla_attend_unabsorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int):
     """Reference form: expand every cached latent to per-head keys and values. Returns o_BTHV (fp32)."""
     H, N = q_nope_BTHN.shape[2], q_nope_BTHN.shape[3]
-    R = q_pe_BTHR.shape[-1]
-    S = ckv_BSL.shape[1]
-    f32 = jnp.float32
+    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
     w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
     k_nope_BSHN = jnp.einsum("bsl,hnl->bshn", ckv_BSL.astype(f32), w_uk_HNL)
     v_BSHV = jnp.einsum("bsl,hvl->bshv", ckv_BSL.astype(f32), w_uv_HVL)
     scale = (N + R) ** -0.5
-    logits = jnp.einsum("bthn,bshn->bhts", q_nope_BTHN.astype(f32), k_nope_BSHN)
-    if R:
-        logits = logits + jnp.einsum("bthr,bsr->bhts", q_pe_BTHR.astype(f32), kpe_BSR.astype(f32))
+    logits = _rope_logits(jnp.einsum("bthn,bshn->bhts", q_nope_BTHN.astype(f32), k_nope_BSHN), q_pe_BTHR, kpe_BSR)
     p = _softmax_masked(logits * scale, attention_mask_BTS(q_pos_BT, kv_len_B, S))
     return jnp.einsum("bhts,bshv->bthv", p, v_BSHV)
 
@@ -59,32 +62,12 @@ def mla_attend_unabsorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_
 def mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int):
     """Absorbed form: MQA in latent space with (L + R)-wide keys and L-wide values. Returns o_BTHV (fp32)."""
     H, N = q_nope_BTHN.shape[2], q_nope_BTHN.shape[3]
-    R = q_pe_BTHR.shape[-1]
-    S = ckv_BSL.shape[1]
-    f32 = jnp.float32
+    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
     w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
     q_lat_BTHL = jnp.einsum("bthn,hnl->bthl", q_nope_BTHN.astype(f32), w_uk_HNL)
     scale = (N + R) ** -0.5
-    logits = jnp.einsum("bthl,bsl->bhts", q_lat_BTHL, ckv_BSL.astype(f32))
-    if R:
-        logits = logits + jnp.einsum("bthr,bsr->bhts", q_pe_BTHR.astype(f32), kpe_BSR.astype(f32))
+    logits = _rope_logits(jnp.einsum("bthl,bsl->bhts", q_lat_BTHL, ckv_BSL.astype(f32)), q_pe_BTHR, kpe_BSR)
     p = _softmax_masked(logits * scale, attention_mask_BTS(q_pos_BT, kv_len_B, S))
     o_lat_BTHL = jnp.einsum("bhts,bsl->bthl", p, ckv_BSL.astype(f32))
     return jnp.einsum("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL)
 
-
-def rope_neox(x_BTHR, pos_BT, theta: float):
-    """Rotary embedding on the rope slice (rotate-half layout): x*cos + rotate_half(x)*sin, fp32.
-
-    Off for K3 and Kimi-Linear (NoPE); kept for K2/DeepSeek-style configs."""
-    R = x_BTHR.shape[-1]
-    inv_freq = theta ** (-jnp.arange(0, R, 2, dtype=jnp.float32) / R)
-    ang_BTF = pos_BT[..., None].astype(jnp.float32) * inv_freq
-    ang = jnp.concatenate([ang_BTF, ang_BTF], axis=-1)
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    if x_BTHR.ndim == 4:
-        cos, sin = cos[:, :, None], sin[:, :, None]
-    x = x_BTHR.astype(jnp.float32)
-    x1, x2 = x[..., : R // 2], x[..., R // 2:]
-    rot = jnp.concatenate([-x2, x1], axis=-1)
-    return (x * cos + rot * sin).astype(x_BTHR.dtype)

@@ -19,12 +19,13 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
             of similar tokens does, and its bf16 decode takes it too.
   blocked:  sorted by expert, each expert's rows padded to a multiple of a block, one batched matmul per block
             (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU).
-kimi.layers.moe_dispatch picks one from static shapes (and whether a serving copy exists).
+kimi.dispatch.moe_path picks one from static shapes (and whether a serving copy exists).
 """
 
 import jax
 import jax.numpy as jnp
 
+from kimi import dispatch
 from kimi.ops.activations import glu
 from kimi.ops.linear import matmul
 
@@ -135,7 +136,8 @@ def experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, num_experts: int, ac
                       linear_beta=None):
     """Every row through every expert in two matmuls, the routing weights folded in between:
 
-        [g | u] = x [W1^T | W3^T]   ([T, 2EF]);    h[t, e, :] = c[t, e] act(g, u)[t, e, :];    y = h W2^T   ([T, EF] @ [EF, D])
+        [g | u] = x [W1^T | W3^T]   ([T, 2EF]);    h[t, e, :] = c[t, e] act(g, u)[t, e, :];
+        y = h W2^T   ([T, EF] @ [EF, D])
 
     with c[t, e] the routing weight of expert e for row t (0 when unrouted). Reads each expert once, no sort; the
     fastest form on CPU for a few rows that touch most experts (a verify block on a small model), because the
@@ -156,20 +158,15 @@ def fuse_experts_per_expert(w1_EFD, w3_EFD, w2_EDF):
             jnp.swapaxes(w2_EDF, 1, 2))
 
 
-# experts_used with at most this many experts: one lax.cond per expert, each on its own weight arrays. A loop's
-# dynamic slice of bf16 weights is upcast to fp32 by XLA:CPU on every step; per-expert arrays keep the bf16 products
-# (measured on the shipped pair: plain decoding ~10% faster, a DSpark step ~3%). More experts: the loop.
-USED_UNROLL_MAX_EXPERTS = 32
-
-
 def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, linear_beta=None):
     """Only the experts some row routes to, one after another in ascending order, each on every row:
 
         y = sum over e in U of  (c[:, e] * act(x W1_e^T, x W3_e^T)) W2_e^T,    U = {idx[t, j]} (the distinct experts)
 
-    the experts outside U skipped at run time (a ``lax.cond`` per expert up to ``USED_UNROLL_MAX_EXPERTS``, else a
-    ``fori_loop`` whose trip count |U| is read from the routing), so their weights are never read. The same sum as
-    :func:`experts_all_fused` (rows not routed to e get c = 0), expert by expert. For a few rows whose routing
+    the experts outside U skipped at run time (a ``lax.cond`` per expert up to
+    ``dispatch.USED_UNROLL_MAX_EXPERTS``, else a ``fori_loop`` whose trip count |U| is read from the routing), so
+    their weights are never read. The same sum as :func:`experts_all_fused` (rows not routed to e get c = 0), expert
+    by expert. For a few rows whose routing
     concentrates (a verify block on a model whose router sends a block's tokens to a few experts), its cost is |U|
     experts' weights instead of E.
 
@@ -189,7 +186,7 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
         return y_TD + matmul(h_TF, w2_FD).astype(jnp.float32)
 
     y_TD = jnp.zeros((T, w2_EFD[0].shape[-1]), jnp.float32)
-    if E <= USED_UNROLL_MAX_EXPERTS:
+    if E <= dispatch.USED_UNROLL_MAX_EXPERTS:
         for e in range(E):
             y_TD = jax.lax.cond(used_E[e], add_expert, lambda y, *_: y, y_TD, w13_ED2F[e], w2_EFD[e], c_TE[:, e])
     else:
@@ -201,22 +198,16 @@ def experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, line
     return y_TD.astype(dt)
 
 
-# experts_used runs an expert on all T rows (cost ~ one expert's weights), experts_all_fused runs all E at once
-# (cost ~ E experts' weights, one matmul pair): the loop wins while the rows pick at most about half the experts
-# (measured on the shipped pair, XLA:CPU: a loop over all 8 of 8 experts costs ~2x the fused pair).
-USED_LOOP_MAX_FRACTION = 0.5
-
-
 def experts_all_or_used(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, w13_ED2F, w2_per_EFD, act: str, beta=None,
                         linear_beta=None):
     """The verify path of a small model: :func:`experts_used` when the rows pick at most
-    ``USED_LOOP_MAX_FRACTION`` of the experts, else :func:`experts_all_fused` (a branch taken at run time on the
-    routing). The same weights in the two layouts: ``w13 [D, 2EF]`` and ``w2 [EF, D]`` for the fused pair,
+    ``dispatch.USED_LOOP_MAX_FRACTION`` of the experts, else :func:`experts_all_fused` (a branch taken at run time
+    on the routing). The same weights in the two layouts: ``w13 [D, 2EF]`` and ``w2 [EF, D]`` for the fused pair,
     ``w13_ED2F`` and ``w2_per_EFD`` per expert (stacked or sequences, as :func:`experts_used` takes them)."""
     E = len(w13_ED2F)
     n_used = experts_picked_E(idx_TX, E).sum()
     return jax.lax.cond(
-        n_used <= int(E * USED_LOOP_MAX_FRACTION),
+        n_used <= int(E * dispatch.USED_LOOP_MAX_FRACTION),
         lambda: experts_used(x_TD, w_TX, idx_TX, w13_ED2F, w2_per_EFD, act, beta, linear_beta),
         lambda: experts_all_fused(x_TD, w_TX, idx_TX, w13_D2EF, w2_EFD, E, act, beta, linear_beta))
 

@@ -11,8 +11,15 @@ import pytest
 from flax import nnx
 
 from jdspark.config import DSparkConfig
-from jdspark.drafter import (DSparkDrafter, DrafterCache, load_drafter, save_drafter, select_anchors, state_dict,
-                             training_loss)
+from jdspark.drafter import (
+    DrafterCache,
+    DSparkDrafter,
+    load_drafter,
+    save_drafter,
+    select_anchors,
+    state_dict,
+    training_loss,
+)
 
 D, V, NTAP = 64, 128, 3
 
@@ -82,12 +89,12 @@ def test_save_load_round_trip_exact(tmp_path):
 
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
-    import safetensors.flax
+    from kimi import safetensors_io
 
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(safetensors.flax, "save_file", boom)
+    monkeypatch.setattr(safetensors_io, "write_safetensors", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         save_drafter(_drafter(DSparkConfig.tiny()), tmp_path / "d")
     assert os.listdir(tmp_path) == []

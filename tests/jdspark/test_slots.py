@@ -1,8 +1,8 @@
 """The serving engine on the shipped pair, batched: 20 requests of different prompt lengths, completion lengths,
 sampling settings, speculation on or off and arrival times, served 4 slots at a time through the Engine's host
 loop and the SlotBackend, each equal token for token to its own batch-1 ``jdspark.generate`` (greedy; sampled
-requests are checked at batch bucket 1 in ``test_sampled_slot_equals_generate``). Speculating requests accept partially (accept_len
-strictly between 1 and G + 1); the others step as plain decoding."""
+requests are checked at batch bucket 1 in ``test_sampled_slot_equals_generate``). Speculating requests accept
+partially (accept_len strictly between 1 and G + 1); the others step as plain decoding."""
 
 import os
 import sys

@@ -200,7 +200,7 @@ def test_serving_layout_matches_the_checkpoint_model():
     the same greedy tokens, with and without the drafter."""
     cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64)
     target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
-    assert speculative._serving_layout_fits(target)
+    assert kimi.dispatch.serving_copy(target.config, sharded=False)
     dense = kimi.model.with_serving_layout(target)
     assert dense.config.expert_format == "dense"
     ex = dense.model.layers[1].block_sparse_moe.experts

@@ -219,7 +219,7 @@ def test_save_replaces_atomically(random_ckpt, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt_mod, "_write_safetensors", boom)
+    monkeypatch.setattr(ckpt_mod.st, "write_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         kimi.save_checkpoint(m, out)
     assert {f: (out / f).read_bytes() for f in os.listdir(out)} == before  # untouched

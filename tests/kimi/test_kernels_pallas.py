@@ -14,7 +14,7 @@ from flax import nnx
 
 import kimi
 from jdspark import speculative
-from kimi import mxfp4
+from kimi import dispatch, mxfp4
 from kimi.kernels import kda_decode as kd
 from kimi.kernels import mxfp4_moe as mm
 from kimi.layers import shape_only_init
@@ -369,7 +369,7 @@ def test_generate_with_pallas_kernels_is_lossless_and_matches_xla():
     kw = dict(expert_format="mxfp4", routed_expert_hidden_size=64)
     cfg_p, cfg_x = kimi.KimiConfig.tiny(kernels="pallas", **kw), kimi.KimiConfig.tiny(kernels="xla", **kw)
     target_p, target_x = scaled_target(cfg_p, 0.05, seed=1), scaled_target(cfg_x, 0.05, seed=1)
-    assert not speculative._serving_layout_fits(target_p) and speculative._serving_layout_fits(target_x)
+    assert not dispatch.serving_copy(cfg_p, sharded=False) and dispatch.serving_copy(cfg_x, sharded=False)
     drafter = markov_drafter(target_p, bigram_map(scaled_target(cfg_p, 0.0, seed=1)), 0.2, 30.0, seed=1)
     p = np.arange(3, 12)
     sp = speculative.generate(target_p, drafter, p, max_new_tokens=24, eos_token_id=-1)

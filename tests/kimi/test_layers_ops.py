@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import kimi
-from kimi import layers
+from kimi import dispatch, layers
 from kimi.ops import activations, attn_res, linear, mla, moe
 
 
@@ -104,7 +104,7 @@ def test_moe_paths_agree(act):
 @pytest.mark.parametrize("unroll_max", [32, 0], ids=["cond-per-expert", "loop"])
 def test_experts_used_reads_only_the_routed_experts(unroll_max, monkeypatch):
     """experts_used skips every expert no row picked (both forms): NaN weights there leave the result untouched."""
-    monkeypatch.setattr(moe, "USED_UNROLL_MAX_EXPERTS", unroll_max)
+    monkeypatch.setattr(dispatch, "USED_UNROLL_MAX_EXPERTS", unroll_max)
     w1, w3, w2 = _experts()
     x = jax.random.normal(jax.random.key(5), (5, 32))
     idx = jnp.array([[4, 1], [1, 4], [4, 1], [1, 4], [1, 4]], jnp.int32)

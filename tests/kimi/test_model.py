@@ -84,7 +84,7 @@ def test_verify_after_prefill_matches_longer_prefill(setup):
 def test_long_verify_keeps_per_position_states(setup):
     """Past kda_verify_form's block limit verify scans tokens and keeps every state; rollback picks one."""
     cfg, m, tok, pre = setup
-    T = kimi.layers.KDA_BLOCK_MAX_TOKENS + 2
+    T = kimi.dispatch.KDA_BLOCK_MAX_TOKENS + 2
     first = m.prefill(tok[:, :3], m.init_cache(2, 32))
     extra = _tokens(cfg, 2, T, seed=9)
     ver = m.verify(extra, first.cache)

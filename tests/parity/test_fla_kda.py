@@ -1,8 +1,10 @@
-"""kimi.ops.kda against FLA's pure-torch references (fla-core 0.6.0, loaded without triton; see fla_ref.py)."""
+"""kimi.ops.kda against FLA's pure-torch references (fla-core 0.6.0, loaded without triton; see
+scripts/fla_ref.py)."""
 
+import os
+import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -10,7 +12,10 @@ torch = pytest.importorskip("torch")
 
 from kimi.ops import kda  # noqa: E402
 from tests.kimi.test_kda_ops import _inputs as kda_inputs  # noqa: E402  (same B, H)
-from tests.parity.fla_ref import load_fla_gate, load_fla_naive  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))
+from fla_ref import load_fla_gate, load_fla_naive  # noqa: E402
 
 B, H = 2, 3
 TOL = 1e-5

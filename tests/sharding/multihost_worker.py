@@ -27,10 +27,11 @@ def main(coordinator: str, num_processes: int, process_id: int, out: str) -> int
     assert jax.device_count() == 16 and jax.local_device_count() == 8, (jax.device_count(), jax.local_device_count())
     mesh = sharding.make_mesh({"data": 2, "tensor": 8})
     model = random_model(sharded_tiny_config())  # the same seed, hence the same values, in every process
+    sharding.shard_model(model, mesh)
     cache = model.init_cache(1, 8)
     logits = []
     for t in STEPS:
-        res = model.decode(np.array([t], np.int32), cache, mesh=mesh)
+        res = model.decode(np.array([t], np.int32), cache)
         logits.append(distributed.gather(res.logits))
         cache = res.cache
     state = distributed.gather(cache.kda_state)

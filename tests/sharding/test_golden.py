@@ -23,7 +23,6 @@ def snapshot() -> dict:
     import dataclasses
 
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from jdspark.drafter import DSparkDrafter

@@ -7,7 +7,8 @@ import os
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 import kimi
 import sharding

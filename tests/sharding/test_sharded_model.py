@@ -48,16 +48,17 @@ def test_prefill_decode_verify_equal_single_device(single, preset):
     cfg, model, tok, (pre_l, pre_c, dec_l, dec_c, ver_l, ver_c, ver_states) = single
     mesh = sharding.make_mesh(preset)
     m = nnx.clone(model)
-    pre = m.prefill(tok[:, :T_PROMPT], m.init_cache(B, S), mesh=mesh)
-    assert m.model.layers[1].block_sparse_moe.experts.expert_parallel is not None
+    sharding.shard_model(m, mesh)
+    pre = m.prefill(tok[:, :T_PROMPT], m.init_cache(B, S))
+    assert m.model.layers[1].block_sparse_moe.experts.partition.sharded
     np.testing.assert_allclose(np.asarray(pre.logits), pre_l, **TOL)
     _assert_cache(pre.cache, pre_c)
     _assert_layout(pre.cache, mesh)
-    dec = m.decode(tok[:, T_PROMPT], pre.cache)  # the cache is on the mesh already: no mesh= needed
+    dec = m.decode(tok[:, T_PROMPT], pre.cache)
     np.testing.assert_allclose(np.asarray(dec.logits), dec_l, **TOL)
     _assert_cache(dec.cache, dec_c)
     _assert_layout(dec.cache, mesh)
-    ver = m.verify(tok[:, T_PROMPT + 1:], dec.cache, mesh=mesh)
+    ver = m.verify(tok[:, T_PROMPT + 1:], dec.cache)
     np.testing.assert_allclose(np.asarray(ver.logits), ver_l, **TOL)
     for got, want in zip(jax.tree.leaves(ver.kda_rollback), jax.tree.leaves(ver_states), strict=True):
         np.testing.assert_allclose(np.asarray(got), want, **TOL)
@@ -86,15 +87,17 @@ def test_dspark_generate_equal_single_device(generated, preset):
     model, drafter, prompt, want = generated
     mesh = sharding.make_mesh(preset)
     m, d = nnx.clone(model), nnx.clone(drafter)
-    got = jdspark.generate(m, d, prompt, max_new_tokens=6, eos_token_id=-1, prompt_bucket=8, mesh=mesh)
+    sharding.shard_model(m, mesh)
+    sharding.shard_model(d, mesh)
+    got = jdspark.generate(m, d, prompt, max_new_tokens=6, eos_token_id=-1, prompt_bucket=8)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert got.stats.as_dict() == want.stats.as_dict()
-    assert d.sharding_plan.mesh == mesh and m.sharding_plan.mesh == mesh
+    assert d.partition.mesh == mesh and m.partition.mesh == mesh
 
 
 def test_unshard_restores_single_device_model(single):
     cfg, model, tok, (pre_l, *_) = single
     m = sharding.shard_model(nnx.clone(model), sharding.make_mesh("tp16"))
     sharding.unshard_model(m)
-    assert not hasattr(m, "sharding_plan")
+    assert not m.partition.sharded
     assert len(m.model.layers[0].self_attn.q_proj.kernel[...].sharding.device_set) == 1

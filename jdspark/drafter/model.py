@@ -1,0 +1,337 @@
+"""DSparkDrafter: speculators' DSpark drafter (0.9.0) in Flax NNX, and its decode cache.
+
+The math is speculators' ``DFlashDraftModel`` backbone + ``DSparkDraftModel`` heads, reproduced to fp32 round-off:
+
+* context: ``ctx = hidden_norm(taps @ fc)`` where taps are the target's hidden states at
+  ``aux_hidden_state_layer_ids`` (concatenated features). The *same* ``ctx`` feeds every layer's ``k_proj`` /
+  ``v_proj`` directly: it does **not** go through the layer's ``input_layernorm`` (only ``k_norm``, per head).
+* block: ``[anchor, MASK x (block_size - 1)]`` embedded with the target's embedding, RoPE positions
+  ``anchor_pos + k``. Queries come from the block only; keys/values are the context strictly before the anchor
+  plus the block's own K/V (non-causal inside the block; causal for a ``sliding_attention`` layer unless
+  ``sliding_window_non_causal``). Qwen3 layer: per-head q_norm / k_norm *before* NeoX RoPE, GQA, SwiGLU.
+* output: ``norm`` then the target's lm_head -> base logits. Slot ``k`` predicts the token at ``anchor_pos+k+1``
+  (``sample_from_anchor``).
+* Markov head: slot ``k``'s bias uses ``prev_k`` = the token at ``anchor_pos + k`` (slot 0: the anchor itself;
+  teacher-forced ground truth in training, the previous drafted token at inference).
+* confidence head: ``proj([hid_k ; W1[prev_k]])`` (or ``proj(hid_k)``), a logit of P(slot k accepted | prefix).
+
+The drafter never owns the target's embedding or lm_head: every entry point takes ``embed_VD`` / ``lm_head_DV``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdspark.config import DSparkConfig
+from jdspark.drafter import losses
+from jdspark.drafter.layers import ConfidenceHead, DecoderLayer, MarkovHead, SpecLinear, attention_layout, concrete
+from kimi.layers import Qwen3RMSNorm, fuse_projections, weights_to_bf16
+from kimi.partitioning import NO_PARTITION, Partitioner
+
+f32 = jnp.float32
+
+
+# ====================================================================== cache
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "length"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DrafterCache:
+    """Context K/V of every draft layer, in the layout the block's attention reads without a copy (a [S, KVh, hd]
+    cache cost a transposed copy of all of it on every draft): k: [L, B, KVh, hd, S_max] (k_norm'ed and RoPE'd
+    at absolute positions), v: [L, B, KVh, S_max, hd]; length: int32 scalar = number of valid context slots
+    (slots >= length are ignored)."""
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[-1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+
+def concrete_int(x) -> Optional[int]:
+    v = concrete(x)
+    return None if v is None else int(v)
+
+
+
+# ====================================================================== the drafter
+class DSparkDrafter(nnx.Module):
+    """speculators' DSpark drafter. ``target`` (optional) is only used to check hidden_size / vocab / tap ids."""
+
+    def __init__(self, cfg: DSparkConfig, target: Any = None, *, rngs: nnx.Rngs, param_dtype=None):
+        if not isinstance(cfg, DSparkConfig):
+            raise ValueError(f"cfg: expected a DSparkConfig, got {type(cfg).__name__}")
+        cfg.check_buildable()
+        check_target(cfg, target)
+        dtype = jnp.dtype(param_dtype) if param_dtype is not None else cfg.dtype
+        D = cfg.hidden_size
+        self.config = cfg
+        self.fc = SpecLinear(cfg.num_taps * D, D, rngs=rngs, dtype=dtype)
+        self.hidden_norm = Qwen3RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs, dtype=dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = Qwen3RMSNorm(D, cfg.rms_norm_eps, dtype=dtype)
+        self.markov_head = MarkovHead(cfg, rngs=rngs, dtype=dtype) if cfg.markov_rank > 0 else None
+        if cfg.enable_confidence_head:
+            din = D + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+            self.confidence_head = ConfidenceHead(din, rngs=rngs, dtype=dtype)
+        else:
+            self.confidence_head = None
+        self.partition: Partitioner = NO_PARTITION
+
+    def set_partitioner(self, partition: Partitioner):
+        """Install a sharding plan (``sharding.shard_model`` does, after placing the parameters; GSPMD does the
+        rest); ``NO_PARTITION`` removes it."""
+        self.partition = partition
+
+    @property
+    def dtype(self):
+        """The activation (and context cache) dtype: the parameters' dtype as built. Read from a norm, which the
+        bf16 serving copy (``with_serving_layout``) leaves as it is: its bf16 matmul weights still take and give
+        fp32 activations (kimi/ops/linear.py), and a bf16 cache would cost XLA:CPU a convert of the whole cache on
+        every append."""
+        return self.norm.scale.dtype
+
+    # ------------------------------------------------------------------ shared pieces
+    def context(self, taps_BTX):
+        """ctx = hidden_norm(taps @ fc): [B, T, n_taps * D] -> [B, T, D]."""
+        X = taps_BTX.shape[-1]
+        if X != self.fc.kernel.shape[0]:
+            raise ValueError(f"taps: expected {self.fc.kernel.shape[0]} features "
+                             f"({self.config.num_taps} taps x hidden {self.config.hidden_size}), got {X}")
+        return self.hidden_norm(self.fc(taps_BTX))
+
+    def _context_kv(self, ctx_BSD, pos_BS):
+        ks, vs = zip(*[layer.self_attn.kv(ctx_BSD, pos_BS) for layer in self.layers])
+        return jnp.stack(ks), jnp.stack(vs)  # [L, B, S, KVh, hd]
+
+    def _block_masks(self, ctx_full_BS, ctx_slide_BS):
+        G = self.config.block_size
+        causal = jnp.tril(jnp.ones((G, G), bool))
+        full = jnp.ones((G, G), bool)
+        return [(ctx_slide_BS if layer.sliding else ctx_full_BS, causal if layer.causal else full)
+                for layer in self.layers]
+
+    def _run_layers(self, x_BGD, pos_BG, k_ctx, v_ctx, masks):
+        for i, layer in enumerate(self.layers):
+            ctx_mask, blk_mask = masks[i]
+            x_BGD = layer(x_BGD, pos_BG, k_ctx[i], v_ctx[i], ctx_mask, blk_mask)
+        return self.norm(x_BGD)
+
+    def _logits(self, hid, lm_head_DV):
+        if lm_head_DV.shape[0] != self.config.hidden_size or lm_head_DV.shape[1] != self.config.draft_vocab_size:
+            raise ValueError(f"lm_head_DV: expected shape ({self.config.hidden_size}, {self.config.draft_vocab_size})"
+                             f", got {tuple(lm_head_DV.shape)}")
+        return jnp.matmul(hid.astype(lm_head_DV.dtype), lm_head_DV, preferred_element_type=f32)
+
+    def _embed(self, ids, embed_VD):
+        if embed_VD.shape[0] != self.config.vocab_size or embed_VD.shape[1] != self.config.hidden_size:
+            raise ValueError(f"embed_VD: expected shape ({self.config.vocab_size}, {self.config.hidden_size}), "
+                             f"got {tuple(embed_VD.shape)}")
+        return jnp.take(embed_VD, ids, axis=0).astype(self.dtype)
+
+    # ------------------------------------------------------------------ decode cache
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> DrafterCache:
+        cfg = self.config
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(f"init_cache: batch_size and max_len must be positive, got {batch_size}, {max_len}")
+        L, KVh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+        dt = jnp.dtype(dtype) if dtype is not None else self.dtype
+        return DrafterCache(jnp.zeros((L, batch_size, KVh, hd, max_len), dt),
+                            jnp.zeros((L, batch_size, KVh, max_len, hd), dt), jnp.zeros((), jnp.int32))
+
+    def append_context(self, cache: DrafterCache, taps_BNX, n_valid, start_pos=None) -> DrafterCache:
+        """Write context K/V of N (static) new positions at slots [length, length + N) and advance length by
+        n_valid (traced OK). Rows >= n_valid are written but stay masked, and the next append overwrites them.
+        RoPE positions are start_pos + i (default: the slot index, i.e. cache.length + i; [B] allowed).
+        The caller guarantees length + N <= max_len (checked here when the values are concrete)."""
+        B, N, _ = taps_BNX.shape
+        if B != cache.batch_size:
+            raise ValueError(f"taps_BNX: batch {B} does not match the cache's batch {cache.batch_size}")
+        length = cache.length
+        cl, nv = concrete_int(length), concrete_int(n_valid)
+        if nv is not None and not 0 <= nv <= N:
+            raise ValueError(f"n_valid: expected 0..{N} (the number of rows passed), got {nv}")
+        if cl is not None and cl + N > cache.max_len:
+            raise ValueError(f"append_context: {cl} cached + {N} new positions exceed the cache's max_len "
+                             f"{cache.max_len}")
+        if start_pos is None:
+            start_pos = length
+        pos = jnp.asarray(start_pos, jnp.int32).reshape(-1, 1) + jnp.arange(N, dtype=jnp.int32)
+        pos = jnp.broadcast_to(pos, (B, N))
+        k, v = attention_layout(*self._context_kv(self.context(taps_BNX), pos))
+        at = length.astype(jnp.int32)
+        k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, at))
+        v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, at, 0))
+        return DrafterCache(k, v, (length + jnp.asarray(n_valid, jnp.int32)).astype(jnp.int32))
+
+    def draft_logits(self, cache: DrafterCache, anchor_token_B, anchor_pos, embed_VD, lm_head_DV):
+        """One parallel block pass. Returns (base_logits [B, G, Vd] fp32, hidden [B, G, D] after the final norm).
+
+        Block = [anchor, MASK x (G-1)] at RoPE positions anchor_pos + k (scalar or [B]; None -> cache.length).
+        Context = cache slots < cache.length (and >= length - sliding_window for sliding layers)."""
+        cfg = self.config
+        G = cfg.block_size
+        anchor = jnp.asarray(anchor_token_B, jnp.int32).reshape(-1)
+        B = anchor.shape[0]
+        if B != cache.batch_size:
+            raise ValueError(f"anchor_token_B: batch {B} does not match the cache's batch {cache.batch_size}")
+        if anchor_pos is None:
+            anchor_pos = cache.length
+        ids = jnp.concatenate([anchor[:, None], jnp.full((B, G - 1), cfg.mask_token_id, jnp.int32)], axis=1)
+        x = self._embed(ids, embed_VD)
+        pos = jnp.broadcast_to(jnp.asarray(anchor_pos, jnp.int32).reshape(-1, 1) + jnp.arange(G), (B, G))
+        slots = jnp.arange(cache.max_len)
+        full = jnp.broadcast_to(slots < cache.length, (B, cache.max_len))
+        slide = full & (slots >= cache.length - (cfg.sliding_window or 0))
+        hid = self._run_layers(x, pos, cache.k, cache.v, self._block_masks(full, slide))
+        return self._logits(hid, lm_head_DV), hid
+
+    # ------------------------------------------------------------------ heads
+    def init_markov_state(self, batch_size: int):
+        """The rnn head's recurrent state (zeros [B, r]); vanilla/gated heads carry it through unchanged."""
+        return jnp.zeros((batch_size, max(self.config.markov_rank, 1)), self.dtype)
+
+    def markov_bias(self, prev_token_B, hidden_BD, state):
+        """Slot bias from the previous token (slot 0: the anchor). Returns (bias [B, Vd], new_state)."""
+        if self.markov_head is None:
+            return jnp.zeros((hidden_BD.shape[0], self.config.draft_vocab_size), f32), state
+        e = self.markov_head.prev_embeddings(jnp.asarray(prev_token_B, jnp.int32))
+        return self.markov_head.step(e, hidden_BD, state)
+
+    def confidence_logit(self, hidden_BD, prev_token_B):
+        """Confidence logit [B] for a slot: proj([hid ; W1[prev]]) (or proj(hid)). None without the head."""
+        if self.confidence_head is None:
+            return None
+        f = hidden_BD
+        if self.config.confidence_head_with_markov:
+            e = self.markov_head.prev_embeddings(jnp.asarray(prev_token_B, jnp.int32))
+            f = jnp.concatenate([hidden_BD, e.astype(hidden_BD.dtype)], axis=-1)
+        return self.confidence_head(f).astype(f32)
+
+    def decode_block(self, base_logits_BGV, hidden_BGD, anchor_token_B, pick, keys_G=None, confidence: bool = True):
+        """The sequential Markov-head decode of one block (a ``lax.scan`` over its slots), used by generation and
+        the tests alike: slot k's corrected logits z_k = base_k + bias(prev_k, hidden_k) with prev_0 = the anchor
+        and prev_{k+1} = the token ``pick(key_k, z_k)`` returns (with an auxiliary output of its own).
+        Returns (tokens [B, G], z [B, G, Vd] fp32, aux [B, G, ...], confidence logits [B, G]: zeros without the
+        head or with ``confidence=False``)."""
+        G = base_logits_BGV.shape[1]
+        anchor = jnp.asarray(anchor_token_B, jnp.int32)
+
+        def slot(carry, xs):
+            prev_B, mstate = carry
+            base_BV, hid_BD, key = xs
+            bias, mstate = self.markov_bias(prev_B, hid_BD, mstate)
+            z = base_BV + bias.astype(f32)
+            c = self.confidence_logit(hid_BD, prev_B) if confidence else None  # only truncation reads it
+            c = jnp.zeros(prev_B.shape, f32) if c is None else c
+            tok, aux = pick(key, z)
+            return (tok, mstate), (tok, z, aux, c)
+
+        xs = (jnp.swapaxes(base_logits_BGV, 0, 1), jnp.swapaxes(hidden_BGD, 0, 1),
+              jnp.zeros((G,), jnp.int32) if keys_G is None else keys_G)
+        _, out = jax.lax.scan(slot, (anchor, self.init_markov_state(anchor.shape[0])), xs)
+        return jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), out)
+
+    def greedy_block(self, base_logits_BGV, hidden_BGD, anchor_token_B):
+        """Greedy ``decode_block``: prev_{k+1} = argmax of slot k's corrected logits. Returns (tokens [B, G],
+        corrected logits [B, G, Vd], confidence logits [B, G] or None)."""
+        toks, z, _, conf = self.decode_block(base_logits_BGV, hidden_BGD, anchor_token_B,
+                                             lambda _, z: (jnp.argmax(z, axis=-1).astype(jnp.int32), ()))
+        return toks, z, conf if self.confidence_head is not None else None
+
+    # ------------------------------------------------------------------ training forward
+    def training_outputs(self, taps_1TX, input_ids_1T, anchors_N, embed_VD, lm_head_DV, *,
+                         document_ids_1T=None, position_ids_1T=None) -> dict:
+        """speculators' DSpark training forward (batch 1, packed) for explicit anchors.
+
+        Returns a dict: hidden [N, G, D], base_logits / logits (Markov-corrected) [N, G, Vd] fp32,
+        confidence_logits [N, G] (or None), prev_tokens [N, G], block_indices [N, G]."""
+        cfg = self.config
+        G = cfg.block_size
+        T = taps_1TX.shape[1]
+        anchors = jnp.asarray(anchors_N, jnp.int32)
+        a = concrete(anchors)
+        if a is not None and a.size and (a.min() < 0 or a.max() + G > T):
+            raise ValueError(f"anchors_N: every anchor needs anchor + block_size <= T={T}, got {a.tolist()}")
+        ids_T = jnp.asarray(input_ids_1T, jnp.int32)[0]
+        pos_T = jnp.arange(T, dtype=jnp.int32) if position_ids_1T is None else \
+            jnp.asarray(position_ids_1T, jnp.int32)[0]
+        doc_T = jnp.zeros((T,), jnp.int32) if document_ids_1T is None else jnp.asarray(document_ids_1T, jnp.int32)[0]
+
+        k_ctx, v_ctx = attention_layout(*self._context_kv(self.context(taps_1TX), pos_T[None]))
+        idx = anchors[:, None] + jnp.arange(G, dtype=jnp.int32)  # [N, G]
+        blk_ids = jnp.full(idx.shape, cfg.mask_token_id, jnp.int32).at[:, 0].set(ids_T[anchors])
+        x = self._embed(blk_ids, embed_VD)
+        blk_pos = pos_T[anchors][:, None] + jnp.arange(G, dtype=jnp.int32)
+        t = jnp.arange(T)
+        a_doc = doc_T[anchors]
+        full = (t[None] < anchors[:, None]) & (doc_T[None] == a_doc[:, None]) & (a_doc != -1)[:, None]
+        slide = full & (t[None] >= anchors[:, None] - (cfg.sliding_window or 0))
+        hid = self._run_layers(x, blk_pos, k_ctx, v_ctx, self._block_masks(full, slide))
+        base = self._logits(hid, lm_head_DV)
+
+        block_tokens = ids_T[idx]
+        prev = block_tokens if cfg.sample_from_anchor else \
+            jnp.concatenate([block_tokens[:, :1], block_tokens[:, :-1]], axis=1)
+        logits, conf, e = base, None, None
+        if self.markov_head is not None:
+            e = self.markov_head.prev_embeddings(prev)
+            logits = base + self.markov_head.block(e, hid).astype(f32)
+        if self.confidence_head is not None:
+            f = jnp.concatenate([hid, e.astype(hid.dtype)], -1) if cfg.confidence_head_with_markov else hid
+            conf = self.confidence_head(f).astype(f32)
+        return dict(hidden=hid, base_logits=base, logits=logits, confidence_logits=conf, prev_tokens=prev,
+                    block_indices=idx)
+
+    def training_loss(self, *args, **kwargs):
+        return losses.training_loss(self, *args, **kwargs)
+
+
+# ====================================================================== target compatibility
+def check_target(cfg: DSparkConfig, target: Any) -> None:
+    """ValueError unless the target's hidden_size / vocab_size / depth fit the drafter config (None: no check)."""
+    if target is None:
+        return
+    tc = getattr(target, "config", target)
+    problems = []
+    h = getattr(tc, "hidden_size", None)
+    if h is not None and h != cfg.hidden_size:
+        problems.append(f"hidden_size: drafter {cfg.hidden_size} != target {h}")
+    v = getattr(tc, "vocab_size", None)
+    if v is not None and v != cfg.vocab_size:
+        problems.append(f"vocab_size: drafter {cfg.vocab_size} != target {v}")
+    n = getattr(tc, "num_hidden_layers", None)
+    if n is not None and max(cfg.aux_hidden_state_layer_ids) > n:
+        problems.append(f"aux_hidden_state_layer_ids: {list(cfg.aux_hidden_state_layer_ids)} must be within "
+                        f"[0, {n}] for a {n}-layer target")
+    if problems:
+        raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+
+
+
+# ====================================================================== serving
+def with_serving_layout(drafter: DSparkDrafter, serving_dtype: str = "float32") -> DSparkDrafter:
+    """The drafter as a generation serves it, made once inside the generation's program (not once per step): the
+    projections that read the same input side by side (``kimi.layers.project_many``: q|k|v and k|v of each layer's
+    attention, gate|up of its MLP), the matmul weights in ``serving_dtype`` (the target's). Same weights, same
+    results up to float summation order (and bf16 rounding of the matmul inputs)."""
+    drafter = nnx.merge(*nnx.split(drafter))
+    for layer in drafter.layers:
+        fuse_projections(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        fuse_projections(layer.self_attn, ("k_proj", "v_proj"))
+        fuse_projections(layer.mlp, ("gate_proj", "up_proj"))
+    if serving_dtype == "bfloat16":
+        weights_to_bf16(drafter)
+    return drafter
+

@@ -1,0 +1,121 @@
+"""Every backend- or size-dependent choice of code path, in one place: layers and ops ask here, none decides itself.
+
+Each threshold is a named constant with its reason in one line; the measurements behind them, with the commands that
+reproduce them (``scripts/bench_dispatch.py``, ``scripts/bench.py``), are in ``docs/performance.md``. The choices
+never change results beyond float summation order (and bf16 rounding where the serving copy asks for bf16): every
+path has a test against its reference.
+
+  KDA prefill     kda_prefill_form     chunked (WY) on accelerators, token scan on CPU
+  KDA verify      kda_verify_form      closed-form block up to KDA_BLOCK_MAX_TOKENS, else the scan
+  Pallas or XLA   kda_uses_pallas      the fused KDA step for decode / verify when KimiConfig.kernels == "pallas"
+                  moe_uses_pallas      the MXFP4 expert kernels when kernels == "pallas" on packed experts
+                  pallas_interpret     interpret mode on CPU, compiled (Triton) elsewhere
+  MoE path        moe_path             gathered / used / all / all_or_used / blocked / grouped
+                  USED_UNROLL_MAX_EXPERTS, USED_LOOP_MAX_FRACTION (the serving copy's per-expert loop)
+  serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
+  bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+# --------------------------------------------------------------------------------------------------- KDA
+# Verify blocks of up to this many tokens use the closed-form block (a few small matmuls, no loop, the state after
+# any prefix rebuilt on demand): faster than the scan for a DSpark block; its T x T matrices grow with T.
+KDA_BLOCK_MAX_TOKENS = 16
+
+
+def kda_prefill_form(cfg) -> str:
+    """KDA's prefill form: the config's choice, or for "auto" the chunked (WY) form on accelerators and the token
+    scan on CPU, where XLA runs the small per-token scan faster than the chunk algebra."""
+    if cfg.kda_prefill != "auto":
+        return cfg.kda_prefill
+    return "recurrent" if jax.default_backend() == "cpu" else "chunked"
+
+
+def kda_verify_form(T: int) -> str:
+    """KDA's verify form for a block of T tokens: "block" (``kda_ops.kda_block``) or "recurrent" (the scan that
+    keeps every per-position state)."""
+    return "block" if T <= KDA_BLOCK_MAX_TOKENS else "recurrent"
+
+
+# --------------------------------------------------------------------------------------------------- Pallas
+def kda_uses_pallas(cfg, mode: str) -> bool:
+    """The fused Pallas KDA step (kimi/kernels/kda_decode.py) for decode and verify; prefill stays on XLA."""
+    return cfg.kernels == "pallas" and mode in ("decode", "verify")
+
+
+def moe_uses_pallas(cfg) -> bool:
+    """The MXFP4 Pallas expert kernels (kimi/kernels/mxfp4_moe.py): they read packed experts only."""
+    return cfg.kernels == "pallas" and cfg.expert_format == "mxfp4"
+
+
+def pallas_interpret(interpret: Optional[bool] = None) -> bool:
+    """Whether a Pallas kernel runs in interpret mode: an explicit choice, else on CPU (no Triton backend)."""
+    if interpret is None:
+        return jax.default_backend() == "cpu"
+    return bool(interpret)
+
+
+# --------------------------------------------------------------------------------------------------- MoE
+# Rows at or under this that route to at least as many slots as there are experts: every expert once, no sort
+# (a verify block on a small model touches most experts anyway).
+MOE_ALL_MAX_ROWS = 16
+# The serving copy's per-expert loop with at most this many experts: one lax.cond per expert, each on its own
+# arrays (XLA:CPU upcasts a loop's dynamic slice of bf16 weights to fp32 on every step); more: a fori_loop.
+USED_UNROLL_MAX_EXPERTS = 32
+# The per-expert loop ('used') instead of the fused pair ('all') while the rows pick at most this fraction of the
+# experts (a loop over all of them costs more than the fused pair); decided at run time on the routing.
+USED_LOOP_MAX_FRACTION = 0.5
+
+
+def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str:
+    """How routed experts run, from static shapes and ``serving_dtype`` (the dtype of the serving copy's expert
+    layouts when ``with_serving_layout`` made them, else None):
+
+    'gathered' when the rows route to fewer slots than there are experts (decode, small verifies): only the routed
+    experts' weights are read; on the bf16 serving copy 'used' instead (the verify's per-expert loop, so a row is
+    rounded at the same points whichever pass computes it); 'all' when every expert is likely touched anyway and
+    the rows are few: each expert once, no sort; 'all_or_used' for those rows on the serving copy (the picked
+    experts only, when they are few; decided at run time); 'grouped' otherwise (prefill and training): sort by
+    expert and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded batched matmuls), because
+    XLA:CPU's ragged_dot runs every row against every group."""
+    if rows * top_k < num_experts:
+        return "used" if serving_dtype == jnp.bfloat16 else "gathered"
+    if rows <= MOE_ALL_MAX_ROWS:
+        return "all" if serving_dtype is None else "all_or_used"
+    if jax.default_backend() == "cpu":
+        return "blocked"
+    return "grouped"
+
+
+# --------------------------------------------------------------------------------------------------- serving
+# The serving copy (experts dequantised, fused for 'all' and per expert for 'used': ~3x the dense experts' bytes)
+# is made once per generation when it fits this budget; K3-sized experts stay packed (they are why MXFP4 exists).
+SERVING_COPY_BUDGET_BYTES = 512 << 20
+
+
+def serving_copy(cfg, sharded: bool) -> bool:
+    """Whether a generation makes the serving copy of the target's weights (``kimi.model.with_serving_layout``)
+    once, inside its program: only when it is small; a sharded model keeps its layout, and so does a model that
+    runs the MXFP4 Pallas kernels (they read the packed experts the copy would unpack)."""
+    if sharded or moe_uses_pallas(cfg):
+        return False
+    moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)
+    dense = moe_layers * cfg.num_experts * 3 * cfg.moe_intermediate_size * cfg.expert_in_dim * cfg.dtype.itemsize
+    return 3 * dense <= SERVING_COPY_BUDGET_BYTES
+
+
+# --------------------------------------------------------------------------------------------------- bf16
+# A single bf16 row is zero-padded to this many: XLA:CPU's bf16 matrix-vector path is slower than its fp32 one,
+# while 2 padded rows cost about one fp32 matrix-vector product.
+BF16_ROWS_MIN = 2
+
+
+def bf16_rows(rows: int) -> int:
+    """The rows a bf16 weight matmul of ``rows`` input rows runs with (padding rows are zeros, cut after)."""
+    return max(rows, BF16_ROWS_MIN)
