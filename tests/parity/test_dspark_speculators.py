@@ -18,13 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import speculators  # noqa: E402, F401  (a missing parity dependency fails the run: tests/conftest.py)
+import torch  # noqa: E402
 from flax import nnx
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("speculators")
-
-from transformers import Qwen3Config  # noqa: E402
-
 from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402
 from speculators.losses import eager as eager_losses  # noqa: E402
 from speculators.losses import resolve_loss_config  # noqa: E402
@@ -32,6 +28,7 @@ from speculators.models.dflash import core as dflash_core  # noqa: E402
 from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig  # noqa: E402
 from speculators.models.dspark import core as dspark_core  # noqa: E402
 from speculators.proposals.greedy import GreedyTokenProposalConfig  # noqa: E402
+from transformers import Qwen3Config  # noqa: E402
 
 from jdspark.config import DSparkConfig  # noqa: E402
 from jdspark.drafter import DSparkDrafter, load_drafter, save_drafter, state_dict, training_loss  # noqa: E402

@@ -10,9 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402  (a missing parity dependency fails the run: tests/conftest.py)
+import transformers  # noqa: E402, F401
 
 import kimi  # noqa: E402
 from tests.kimi.test_checkpoint import state_bytes  # noqa: E402
