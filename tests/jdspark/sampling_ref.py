@@ -19,36 +19,27 @@ def process(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
     z = np.asarray(logits, np.float64)
     if temperature > 0:
         z = z / temperature
-    flat = z.reshape(-1, z.shape[-1])
-    out = np.empty_like(flat)
-    for r, row in enumerate(flat):
-        out[r] = _process_row(row, top_k, top_p)
-    return out.reshape(z.shape)
-
-
-def _process_row(z, top_k: int, top_p: float) -> np.ndarray:
-    V = z.shape[0]
-    keep = np.ones(V, bool)
-    if top_k > 0:
-        keep = np.array([np.sum(z > z[i]) < top_k for i in range(V)])
+    V = z.shape[-1]
+    keep = np.ones(z.shape, bool)
+    if top_k > 0:  # fewer than k tokens strictly larger
+        keep = (z[..., None, :] > z[..., :, None]).sum(-1) < top_k
     p = _softmax_where(z, keep)
     if top_p < 1.0:
-        order = sorted(range(V), key=lambda i: (-p[i], i))
-        nucleus, mass = [], 0.0
-        for i in order:
-            if mass >= top_p:
-                break
-            nucleus.append(i)
-            mass += p[i]
-        keep = np.zeros(V, bool)
-        keep[nucleus] = True
-        p = _softmax_where(z, keep)
+        idx = np.broadcast_to(np.arange(V), z.shape)
+        order = np.lexsort((idx, -p), axis=-1)  # larger probability first, then smaller index
+        p_sorted = np.take_along_axis(p, order, -1)
+        before = np.cumsum(p_sorted, -1) - p_sorted  # mass of the tokens ahead in the order
+        # walking the order, a token joins the nucleus while the mass gathered so far is still < top_p
+        in_nucleus = np.zeros(z.shape, bool)
+        np.put_along_axis(in_nucleus, order, before < top_p, -1)
+        p = _softmax_where(z, keep & in_nucleus)
     return p
 
 
 def _softmax_where(z, keep):
-    e = np.where(keep, np.exp(z - np.max(z[keep])), 0.0)
-    return e / e.sum()
+    m = np.max(np.where(keep, z, -np.inf), -1, keepdims=True)
+    e = np.where(keep, np.exp(z - m), 0.0)
+    return e / e.sum(-1, keepdims=True)
 
 
 def top_p_margin(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:

@@ -69,6 +69,34 @@ def test_prefill_decode_and_greedy_match(pair):
     assert r["greedy_match"], r
 
 
+def test_generate_equals_transformers_generate(pair):
+    """jdspark.generate's greedy tokens, plain and DSpark (the oracle drafter built from transformers' own tokens,
+    so every accepted length 0..G occurs), equal transformers' generate on the same checkpoint."""
+    from tests.oracle_drafter import assert_histogram, oracle_drafter
+
+    _, hf, ours = pair
+    n, G = 24, 4
+    prompt = np.random.default_rng(9).integers(0, ours.config.vocab_size, size=(1, 13)).astype(np.int32)
+    import jdspark
+
+    # transformers stops at the checkpoint's EOS (its generation_config), as generate does by default
+    stopped = np.asarray(parity.hf_greedy(hf, prompt, n))
+    got = jdspark.generate(ours, None, prompt[0], max_new_tokens=n)
+    np.testing.assert_array_equal(got.tokens, stopped)
+    eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+    try:
+        want = np.asarray(parity.hf_greedy(hf, prompt, n + G + 1))
+    finally:
+        hf.generation_config.eos_token_id = eos
+    assert len(want) == n + G + 1
+    plain = jdspark.generate(ours, None, prompt[0], max_new_tokens=n, eos_token_id=-1)
+    np.testing.assert_array_equal(plain.tokens, want[:n])
+    drafter, expected = oracle_drafter(ours, prompt[0], want, n, block_size=G, seed=9)
+    spec = jdspark.generate(ours, drafter, prompt[0], max_new_tokens=n, eos_token_id=-1)
+    np.testing.assert_array_equal(spec.tokens, want[:n])
+    assert_histogram(spec.stats, expected, "transformers' tokens")
+
+
 def test_transformers_state_dict_names(pair, tmp_path):
     """transformers' in-memory names (forget_gate.*, fused conv1d [3P,1,K], mlp.* with fused experts
     gate_up_proj [E,2I,D] / down_proj [E,D,I], A_log [1,1,H,1]) load to the same bits as save_pretrained's."""
