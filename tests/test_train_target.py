@@ -65,9 +65,13 @@ def test_gradients_reach_experts_and_router_bias_is_frozen():
 
     g = jax.grad(lambda p: tt.loss_fn(p, frozen, tok, doc, graphdef=graphdef)[0])(params)
     flat = dict(zip(names, jax.tree.leaves(g)))
-    for n, v in flat.items():
-        if "experts']['w" in n or "gate']['weight" in n:
-            assert float(jnp.abs(v).max()) > 0, n
+    experts = [n for n in flat if "experts']['w" in n]
+    gates = [n for n in flat if "gate']['weight" in n]
+    moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)
+    assert moe_layers > 0 and len(gates) == moe_layers, gates  # the filters match what they are meant to
+    assert len(experts) >= 2 * moe_layers, experts
+    for n in experts + gates:
+        assert float(jnp.abs(flat[n]).max()) > 0, n
 
 
 def test_loss_skips_document_boundaries():

@@ -1,6 +1,7 @@
 """jdspark.data: tokenizer, split by file, packed iterator (deterministic, resumable), held-out prompts."""
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -109,9 +110,16 @@ def test_iterator_is_deterministic_and_resumable(tmp_path):
         np.testing.assert_array_equal(x, y)
     np.testing.assert_array_equal(_dataset(root, seed=3).batch_at(7).tokens, full[7])
     assert not np.array_equal(_dataset(root, seed=4).batch_at(0).tokens, full[0])
-    # one epoch visits every window once: the epoch's tokens are a permutation of the documents' tokens
-    ep = np.concatenate([a.window_at(i)[0] for i in range(a.windows_per_epoch)])
-    assert ep.size == a.windows_per_epoch * a.window and not np.array_equal(full[0], full[1])
+    # one epoch visits every window once: no window twice, and its tokens are the documents' tokens less the
+    # tail that does not fill a window (as a multiset: every token count at most the documents', the deficit
+    # under one window)
+    wins = [a.window_at(i)[0] for i in range(a.windows_per_epoch)]
+    assert len({w.tobytes() for w in wins}) == a.windows_per_epoch
+    ep = np.concatenate(wins)
+    docs = np.concatenate(a.docs)
+    have, total = np.bincount(ep, minlength=65536), np.bincount(docs, minlength=65536)
+    assert (have <= total).all() and 0 <= docs.size - ep.size < a.window
+    assert not np.array_equal(full[0], full[1])
 
 
 def test_validation_batches_come_from_validation_files_only(tmp_path):
@@ -119,15 +127,24 @@ def test_validation_batches_come_from_validation_files_only(tmp_path):
     val_files = data.list_files(root, "val")
     train_docs = {bytes(d) for d in data.read_documents(data.list_files(root, "train"))}
     assert not train_docs & {bytes(d) for d in data.read_documents(val_files)}
-    vb = data.validation_batches(batch=2, seq_len=16, num_batches=2, corpus=root)
-    assert len(vb) == 2 and vb[0].tokens.shape == (2, 17)
-    val_text = b"".join(data.read_documents(val_files))
+    vb = data.validation_batches(batch=2, seq_len=64, num_batches=2, corpus=root)
+    assert len(vb) == 2 and vb[0].tokens.shape == (2, 65)
+    val_docs = data.read_documents(val_files)
+    val_names = {m for d in val_docs for m in re.findall(rb"def (f\d+)_", d)}
+    train_names = {m for d in train_docs for m in re.findall(rb"def (f\d+)_", d)}
+    checked = 0
     for b in vb:
         for row in b.tokens:
-            seg = row[(row < 256)].astype(np.uint8).tobytes()
-            piece = seg[: min(len(seg), 8)]
-            assert piece in val_text
-    assert np.array_equal(data.validation_batches(batch=2, seq_len=16, num_batches=2, corpus=root)[1].tokens,
+            # each file's functions are named f<file>_<j>: every name a window shows (65 bytes always hold one
+            # whole "def f<i>_") is a validation file's, never a training file's; its byte runs are in those files
+            for run in np.split(row, np.flatnonzero(row >= 256)):
+                seg = run[run < 256].astype(np.uint8).tobytes()
+                assert any(seg in d for d in val_docs), seg
+                for name in re.findall(rb"def (f\d+)_", seg):
+                    assert name in val_names and name not in train_names, name
+                    checked += 1
+    assert checked >= 4
+    assert np.array_equal(data.validation_batches(batch=2, seq_len=64, num_batches=2, corpus=root)[1].tokens,
                           vb[1].tokens)
 
 

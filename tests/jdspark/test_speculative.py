@@ -1,21 +1,27 @@
 """generate(): lossless (greedy token for token; sampling in distribution), one compiled program, statistics.
 
-Acceptance must range from none to all, so the drafters here are built, not trained: the target's output
-projections are scaled by eps, which makes it (for eps = 0) an exact bigram model g(prev) -> next, and the drafter
-is given a full-rank Markov head that encodes g (its backbone output is switched off). eps > 0 lets the context
-(KDA and MLA state, MoE, AttnRes) perturb the target, so some drafts fail; a random drafter accepts almost none.
+Acceptance must range from none to all, so the drafters here are built, not trained. Greedy: the oracle drafter
+(tests/oracle_drafter.py) drafts the reference continuation with one slot per block corrupted on a schedule, so
+the acceptance histogram is known exactly and holds every length 0..G; or the target's output projections are
+scaled by eps, which makes it (for eps = 0) an exact bigram model g(prev) -> next, and the drafter is given a
+full-rank Markov head that encodes g (its backbone output is switched off). eps > 0 lets the context (KDA and MLA
+state, MoE, AttnRes) perturb the target, so some drafts fail. Sampling: the law of every emitted token given the
+tokens before it, against the NumPy reference (tests/jdspark/sampling_ref.py) on the target's teacher-forced logits.
 """
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from scipy import stats as sps
 
 import jdspark
 import kimi
 from jdspark import speculative
-from jdspark.sampling import SamplingParams, process_logits
+from jdspark.sampling import SamplingParams
+from tests.jdspark import sampling_ref
+from tests.oracle_drafter import assert_histogram, greedy_reference, histogram, oracle_drafter
 
 _OUT_PROJ = {"o_proj", "down_proj", "routed_expert_up_proj"}
 
@@ -70,6 +76,7 @@ def test_lossless_greedy_many_seeds(tiny_cfg):
     cases = [(0.0, 0.0), (0.02, 0.0), (0.1, 0.1), (1.0, 0.0)]  # (eps, wrong fraction of the drafter's map)
     accept_lens = []
     n_cases = 0
+    hist = np.zeros(5, int)
     for ci, (eps, wrong) in enumerate(cases):
         target = scaled_target(cfg, eps, seed=ci)
         drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0, seed=ci)), wrong, 30.0, seed=ci)
@@ -79,26 +86,15 @@ def test_lossless_greedy_many_seeds(tiny_cfg):
             assert ar.num_tokens == sp.num_tokens == 64
             np.testing.assert_array_equal(sp.tokens, ar.tokens, err_msg=f"case eps={eps} wrong={wrong} prompt {p}")
             accept_lens.append(sp.stats.accept_len)
+            hist = hist + histogram(sp.stats, 4)
             n_cases += 1
     assert n_cases >= 20
+    print(f"acceptance histogram, all cases (steps with 0..4 accepted): {hist.tolist()}")
+    assert (hist > 0).all(), hist
     # the cases span the whole range: every draft accepted ... almost none
     assert max(accept_lens) == pytest.approx(5.0, abs=0.2)  # block 4 -> at most 4 drafts + 1 bonus per step
     assert min(accept_lens) < 1.5
     assert any(1.5 < a < 4.5 for a in accept_lens)
-
-
-def test_random_drafter_is_lossless(tiny_cfg):
-    cfg = tiny_cfg
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(3))
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
-                                    rngs=nnx.Rngs(4))
-    p = np.arange(3, 20)
-    ar = speculative.generate(target, None, p, max_new_tokens=48, eos_token_id=-1)
-    sp = speculative.generate(target, drafter, p, max_new_tokens=48, eos_token_id=-1)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    s = sp.stats
-    assert s.target_steps * 4 == s.drafted  # every step verifies the whole block
-    assert s.accept_len == pytest.approx((s.accepted + s.target_steps) / s.target_steps)
 
 
 def test_one_program_per_padded_length(tiny_cfg):
@@ -110,20 +106,6 @@ def test_one_program_per_padded_length(tiny_cfg):
     out = speculative.generate(target, drafter, np.arange(20, 50), max_new_tokens=16, seed=5)  # same bucket (64)
     assert speculative.compiled_programs() == n
     assert out.num_tokens == 16
-
-
-def test_eos_stops_and_is_kept(tiny_cfg):
-    cfg = tiny_cfg
-    target = scaled_target(cfg, 0.0)
-    g = bigram_map(target)
-    drafter = markov_drafter(target, g, 0.0, 30.0)
-    p = np.array([5, 6, 7])
-    full = speculative.generate(target, None, p, max_new_tokens=40, eos_token_id=-1).tokens
-    eos = int(full[5])
-    for d in (None, drafter):
-        out = speculative.generate(target, d, p, max_new_tokens=40, eos_token_id=eos)
-        first = int(np.argmax(full == eos))
-        np.testing.assert_array_equal(out.tokens, full[:first + 1])
 
 
 def test_bad_input(tiny_cfg):
@@ -139,60 +121,98 @@ def test_bad_input(tiny_cfg):
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
-def _exact_first3(target, prompt, sp: SamplingParams) -> np.ndarray:
-    """P(t1, t2, t3 | prompt) under the target's processed distribution, by enumeration: [V, V, V]."""
-    V = target.config.vocab_size
-    P = len(prompt)
-    seqs = np.array([list(prompt) + [a, b] for a in range(V) for b in range(V)], np.int32)
-    out = target.prefill(seqs, target.init_cache(V * V, P + 2))
-    lp = process_logits(out.logits, sp)  # [V*V, P+2, V]
-    p1 = np.exp(np.asarray(lp[0, P - 1]))
-    p2 = np.exp(np.asarray(lp[::V, P]))  # rows with b = 0: prefix (prompt, a)
-    p3 = np.exp(np.asarray(lp[:, P + 1])).reshape(V, V, V)
-    return p1[:, None, None] * p2[:, :, None] * p3
+T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at least 2 full steps), draws, per check
 
 
-def _sample_first3(target, drafter, prompt, sp: SamplingParams, n: int, seed: int) -> np.ndarray:
+def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int):
+    """n independent generations of T_LAW tokens, vmapped over the key: (tokens [n, T_LAW], GenStats of [n])."""
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter)
     padded = jnp.asarray(np.array(prompt, np.int32)[None])
-    prog = jax.jit(jax.vmap(
-        lambda k: speculative._generate_program(t_graph, d_graph, 3, sp, -1, 0.0, t_state, d_state, padded,
-                                                jnp.int32(len(prompt)), k)[0][:3]))
-    return np.asarray(prog(jax.random.split(jax.random.key(seed), n)))
+
+    def one(k):
+        out, _, st = speculative._generate_program(t_graph, d_graph, T_LAW, sp, -1, threshold, t_state, d_state,
+                                                   padded, jnp.int32(len(prompt)), k)
+        return out[:T_LAW], st
+
+    toks, st = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(seed), n))
+    return np.asarray(toks), jax.device_get(st)
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_lossless_sampling_distribution(temperature, top_p):
-    """G-test of the joint law of the first 3 tokens under DSpark sampling against the target's exact law.
-    False-failure rate: the test fails when p < 1e-3, so a correct sampler fails it with probability 1e-3."""
+def _conditional_law(target, prompt, draws, sp: SamplingParams) -> np.ndarray:
+    """p_t(. | prompt, draws[:, :t]) for every draw and position t, by the NumPy reference applied to the target's
+    teacher-forced logits (one prefill over all draws): [n, T_LAW, V]."""
+    P = len(prompt)
+    seqs = np.concatenate([np.broadcast_to(np.asarray(prompt, np.int32), (len(draws), P)), draws], 1)
+    logits = []
+    for c in range(0, len(seqs), 2000):
+        chunk = seqs[c:c + 2000, :-1]
+        logits.append(np.asarray(target.prefill(chunk, target.init_cache(len(chunk), chunk.shape[1])).logits))
+    logits = np.concatenate(logits)[:, P - 1:]
+    return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p)
+
+
+def _position_pvalues(draws, law) -> list:
+    """Per position t, two Pearson tests of the drawn tokens against the conditional laws: cells = token ids, and
+    cells = the token's rank under its own law. Under a lossless sampler each draw's token at t is, given its
+    prefix, one multinomial draw from law[i, t]; the counts per cell are a sum of independent non-identical
+    multinomials whose covariance is at most the multinomial's with the averaged law, so the statistic is
+    stochastically at most chi-square (conservative): a correct sampler fails a check with probability <= ALPHA."""
+    n, T, V = law.shape
+    order = np.argsort(-law, axis=-1, kind="stable")  # rank 0 = most likely, ties by index
+    rank = np.argsort(order, axis=-1)
+    out = []
+    for t in range(T):
+        x = draws[:, t]
+        p_x = law[np.arange(n), t, x]
+        assert (p_x > 0).all(), f"position {t}: sampled a token the processed target law gives probability 0"
+        by_token = sampling_ref.pearson_pvalue(np.bincount(x, minlength=V), law[:, t].mean(0))
+        r = rank[np.arange(n), t, x]
+        by_rank = sampling_ref.pearson_pvalue(np.bincount(r, minlength=V),
+                                              np.take_along_axis(law[:, t], order[:, t], -1).mean(0))
+        out.append((by_token, by_rank))
+    return out
+
+
+@pytest.fixture(scope="module")
+def law_pair():
     # 16 experts: every forward here routes fewer rows than experts, so the MoE takes the gathered path (vmappable)
     cfg = kimi.KimiConfig.tiny(vocab_size=8, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts=16)
-    target = scaled_target(cfg, 0.5, seed=2)
+    target = scaled_target(cfg, 0.5, seed=2)  # eps 0.5: the law depends on the whole context
     g = bigram_map(scaled_target(cfg, 0.0, seed=2))
     drafter = markov_drafter(target, g, 0.2, 1.0, seed=2)  # soft q, partly wrong: accepts and rejects both happen
-    sp = SamplingParams(temperature, 0, top_p)
+    # the confidence head reads [hidden ; onehot(prev)] (Markov rank V, W1 = I): a logit per previous token, so
+    # under a threshold the number of verified drafts varies with the drafted tokens
+    ch = drafter.confidence_head.proj
+    D = cfg.hidden_size
+    ch.kernel[...] = jnp.zeros_like(ch.kernel[...]).at[D:, 0].set(jnp.linspace(-1.0, 4.0, cfg.vocab_size))
+    ch.bias[...] = jnp.zeros_like(ch.bias[...]) + 1.0
+    return target, drafter
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,threshold", [(1.0, 0, 0.8, 0.0), (0.8, 4, 1.0, 0.3)])
+def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, top_p, threshold):
+    """DSpark sampling (rejection rule, residual resampling, bonus, commit, a second and third step after a
+    sampled commit, and under a confidence threshold) draws every token from the target's processed law given
+    the tokens before it, the law computed by the NumPy reference. 11 tokens = the prefill's + >= 2 steps of up
+    to G+1 = 5 tokens, so every block slot of the first two steps is tested. 2 checks per position at ALPHA:
+    a correct sampler fails this test with probability <= 22 * ALPHA = 2.2e-3."""
+    target, drafter = law_pair
+    sp = SamplingParams(temperature, top_k, top_p)
     prompt = [3, 5, 4]
-    exact = _exact_first3(target, prompt, sp).reshape(-1)
-    n = 4000
-    draws = _sample_first3(target, drafter, prompt, sp, n, seed=int(temperature * 10))
-    idx = draws[:, 0] * 64 + draws[:, 1] * 8 + draws[:, 2]
-    counts = np.bincount(idx, minlength=512).astype(float)
-    assert counts[exact == 0].sum() == 0, "sampled a sequence the target gives probability 0"
-    expected = exact * n
-    # pool cells with expected count < 5 into one
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    g_stat = 2 * np.sum(np.where(obs[keep] > 0, obs[keep] * np.log(obs[keep] / exp[keep]), 0.0))
-    dof = keep.sum() - 1
-    p_value = sps.chi2.sf(g_stat, dof)
-    assert p_value > 1e-3, f"G={g_stat:.1f} dof={dof} p={p_value:.2e}"
-    # and the drafter is neither always right nor always wrong here
-    acc = speculative.generate(target, drafter, prompt, max_new_tokens=32, temperature=temperature, top_p=top_p,
-                               eos_token_id=-1).stats
-    assert 0.2 < acc.acceptance_rate < 0.9
+    draws, st = _sample(target, drafter, prompt, sp, threshold, N_LAW, seed=int(10 * temperature) + top_k)
+    total = types.SimpleNamespace(target_steps=np.sum(st.target_steps), accept_counts=np.sum(st.accept_counts, 0))
+    hist = histogram(total, 4)  # (linear in the counts: the sum of the draws' histograms)
+    print(f"acceptance histogram T={temperature} k={top_k} p={top_p} threshold={threshold} "
+          f"(steps with 0..4 accepted, all draws): {hist.tolist()}")
+    assert (hist > 0).all(), hist
+    assert np.asarray(st.target_steps).min() >= 2
+    if threshold > 0:  # verification really truncated, to every length
+        assert (np.asarray(st.drafted) < 4 * np.asarray(st.target_steps)).mean() > 0.5
+    law = _conditional_law(target, prompt, draws, sp)
+    pv = _position_pvalues(draws, law)
+    bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
+    assert not bad, f"positions failing (token, rank) p-values: {bad}"
 
 
 def test_serving_layout_matches_the_checkpoint_model():
@@ -210,13 +230,15 @@ def test_serving_layout_matches_the_checkpoint_model():
     toks = np.arange(3, 12, dtype=np.int32)[None]
     np.testing.assert_allclose(target.prefill(toks, target.init_cache(1, 16)).logits,
                                dense.prefill(toks, dense.init_cache(1, 16)).logits, atol=2e-6, rtol=0)
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
-                                    rngs=nnx.Rngs(6))
-    ar = speculative.generate(target, None, toks[0], max_new_tokens=24, eos_token_id=-1)
-    sp = speculative.generate(target, drafter, toks[0], max_new_tokens=24, eos_token_id=-1)
-    ref = speculative.generate(dense, None, toks[0], max_new_tokens=24, eos_token_id=-1)
-    np.testing.assert_array_equal(ar.tokens, ref.tokens)
-    np.testing.assert_array_equal(sp.tokens, ref.tokens)
+    # generate serves from the copy it makes itself: its tokens (plain, and DSpark with every accepted length)
+    # must equal the checkpoint model's own step decoding (packed experts, no copy, no generate loop)
+    ref = greedy_reference(target, toks[0], 32 + 4 + 1)
+    drafter, want = oracle_drafter(target, toks[0], ref, 32, block_size=4, seed=6)
+    ar = speculative.generate(target, None, toks[0], max_new_tokens=32, eos_token_id=-1)
+    sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
+    np.testing.assert_array_equal(ar.tokens, ref[:32])
+    np.testing.assert_array_equal(sp.tokens, ref[:32])
+    assert_histogram(sp.stats, want, "serving copy")
 
 
 def test_bf16_serving_is_lossless_and_close_to_fp32():
@@ -236,11 +258,11 @@ def test_bf16_serving_is_lossless_and_close_to_fp32():
     got = served.prefill(toks, served.init_cache(1, 16)).logits
     err = float(jnp.max(jnp.abs(got - ref)))
     assert 0 < err < 0.05 * float(jnp.max(jnp.abs(ref)))  # changed (bf16 really used), but only by rounding
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
-                                    rngs=nnx.Rngs(6))
+    ar = speculative.generate(target, None, toks[0], max_new_tokens=32 + 4 + 1, eos_token_id=-1)
+    drafter, want = oracle_drafter(target, toks[0], ar.tokens, 32, block_size=4, seed=7)
     served_d = jdspark.drafter.with_serving_layout(drafter, "bfloat16")
     assert served_d.fc.kernel[...].dtype == jnp.bfloat16
     assert served_d.dtype == jnp.float32 and served_d.init_cache(1, 8).k.dtype == jnp.float32  # fp32 activations
-    ar = speculative.generate(target, None, toks[0], max_new_tokens=32, eos_token_id=-1)
     sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
-    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens[:32])
+    assert_histogram(sp.stats, want, "bf16 serving")

@@ -186,7 +186,7 @@ def test_causal_conv_split_and_short_input():
 
 
 def test_causal_conv_matches_torch_conv1d():
-    torch = pytest.importorskip("torch")
+    import torch  # a test dependency (requirements/test.txt): missing, this fails
     T = 11
     x, w, _ = _conv_inputs(7, T)
     y, _ = conv(x, w, jnp.zeros((B, W, C_CONV)))

@@ -18,11 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import speculators  # noqa: E402, F401  (a missing parity dependency fails the run: tests/conftest.py)
+import torch  # noqa: E402
 from flax import nnx
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("speculators")
-
 from speculators.config import SpeculatorsConfig, VerifierConfig  # noqa: E402
 from speculators.losses import eager as eager_losses  # noqa: E402
 from speculators.losses import resolve_loss_config  # noqa: E402

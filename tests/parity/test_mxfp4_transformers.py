@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-hf_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+import torch  # noqa: E402  (a missing parity dependency fails the run: tests/conftest.py)
+import transformers.integrations.mxfp4 as hf_mxfp4  # noqa: E402
 
 from kimi import mxfp4  # noqa: E402
 

@@ -10,9 +10,8 @@ import sys
 
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+import torch  # noqa: E402  (a missing parity dependency fails the run: tests/conftest.py)
+import transformers  # noqa: E402, F401
 
 import kimi  # noqa: E402
 from tests.kimi.test_checkpoint import state_bytes  # noqa: E402
@@ -68,6 +67,34 @@ def test_prefill_decode_and_greedy_match(pair):
     assert max(r["per_layer_hidden_max_abs_diff"]) <= TOL, r
     assert r["decode_logits_max_abs_diff"] <= TOL, r
     assert r["greedy_match"], r
+
+
+def test_generate_equals_transformers_generate(pair):
+    """jdspark.generate's greedy tokens, plain and DSpark (the oracle drafter built from transformers' own tokens,
+    so every accepted length 0..G occurs), equal transformers' generate on the same checkpoint."""
+    from tests.oracle_drafter import assert_histogram, oracle_drafter
+
+    _, hf, ours = pair
+    n, G = 24, 4
+    prompt = np.random.default_rng(9).integers(0, ours.config.vocab_size, size=(1, 13)).astype(np.int32)
+    import jdspark
+
+    # transformers stops at the checkpoint's EOS (its generation_config), as generate does by default
+    stopped = np.asarray(parity.hf_greedy(hf, prompt, n))
+    got = jdspark.generate(ours, None, prompt[0], max_new_tokens=n)
+    np.testing.assert_array_equal(got.tokens, stopped)
+    eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+    try:
+        want = np.asarray(parity.hf_greedy(hf, prompt, n + G + 1))
+    finally:
+        hf.generation_config.eos_token_id = eos
+    assert len(want) == n + G + 1
+    plain = jdspark.generate(ours, None, prompt[0], max_new_tokens=n, eos_token_id=-1)
+    np.testing.assert_array_equal(plain.tokens, want[:n])
+    drafter, expected = oracle_drafter(ours, prompt[0], want, n, block_size=G, seed=9)
+    spec = jdspark.generate(ours, drafter, prompt[0], max_new_tokens=n, eos_token_id=-1)
+    np.testing.assert_array_equal(spec.tokens, want[:n])
+    assert_histogram(spec.stats, expected, "transformers' tokens")
 
 
 def test_transformers_state_dict_names(pair, tmp_path):

@@ -9,6 +9,7 @@ from flax import nnx
 
 import jdspark
 import sharding
+from tests.oracle_drafter import assert_histogram, oracle_drafter
 from tests.sharding.common import PRESETS, random_model, sharded_tiny_config, sharded_tiny_drafter_config
 
 B, T_PROMPT, T_VERIFY, S = 16, 5, 3, 16  # B = 16 rows, so dp16-ep16 splits the batch one row per device
@@ -75,23 +76,31 @@ def test_prefill_decode_verify_equal_single_device(single, preset):
 
 @pytest.fixture(scope="module")
 def generated(single):
+    """The oracle drafter (tests/oracle_drafter.py): every accepted length 0..G occurs, so the sharded verify's
+    rows 1..G and the rollback are exercised, not only the bonus path."""
     cfg, model, _, _ = single
-    drafter = jdspark.DSparkDrafter(sharded_tiny_drafter_config(cfg), target=model, rngs=nnx.Rngs(1))
     prompt = np.random.default_rng(1).integers(0, cfg.vocab_size, (7,)).astype(np.int32)
-    out = jdspark.generate(model, drafter, prompt, max_new_tokens=6, eos_token_id=-1, prompt_bucket=8)
-    return model, drafter, prompt, out
+    n = 16
+    ref = jdspark.generate(model, None, prompt, max_new_tokens=n + 4 + 1, eos_token_id=-1, prompt_bucket=8).tokens
+    drafter, want = oracle_drafter(model, prompt, ref, n, config=sharded_tiny_drafter_config(cfg, block_size=4),
+                                   seed=1)
+    out = jdspark.generate(model, drafter, prompt, max_new_tokens=n, eos_token_id=-1, prompt_bucket=8)
+    np.testing.assert_array_equal(out.tokens, ref[:n])
+    assert_histogram(out.stats, want, "single device")
+    return model, drafter, prompt, out, want, n
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_dspark_generate_equal_single_device(generated, preset):
-    model, drafter, prompt, want = generated
+    model, drafter, prompt, want_out, want, n = generated
     mesh = sharding.make_mesh(preset)
     m, d = nnx.clone(model), nnx.clone(drafter)
     sharding.shard_model(m, mesh)
     sharding.shard_model(d, mesh)
-    got = jdspark.generate(m, d, prompt, max_new_tokens=6, eos_token_id=-1, prompt_bucket=8)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    assert got.stats.as_dict() == want.stats.as_dict()
+    got = jdspark.generate(m, d, prompt, max_new_tokens=n, eos_token_id=-1, prompt_bucket=8)
+    np.testing.assert_array_equal(got.tokens, want_out.tokens)
+    assert got.stats.as_dict() == want_out.stats.as_dict()
+    assert_histogram(got.stats, want, preset)
     assert d.partition.mesh == mesh and m.partition.mesh == mesh
 
 

@@ -1,0 +1,87 @@
+"""An independent sampling reference in NumPy (float64), written from the definitions, not from jdspark.sampling:
+
+  temperature T > 0:  z = logits / T                       (T = 0 is greedy: argmax, no distribution)
+  top-k (k > 0):      keep token i iff fewer than k tokens have a strictly larger z (so every token tied with the
+                      k-th largest is kept: ties at the boundary are never broken)
+  top-p (p < 1):      over the top-k-renormalised distribution, order tokens by probability, larger first, equal
+                      probabilities by smaller index first; keep the shortest prefix of that order whose mass is
+                      >= p (the nucleus), renormalise
+  speculative sampling (Leviathan et al. 2023, Chen et al. 2023): draft d ~ q is accepted with probability
+                      min(1, p(d) / q(d)); after a rejection the token is drawn from norm(max(p - q, 0))
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def process(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """The processed distribution (probabilities, float64) of each row of logits [..., V]."""
+    z = np.asarray(logits, np.float64)
+    if temperature > 0:
+        z = z / temperature
+    V = z.shape[-1]
+    keep = np.ones(z.shape, bool)
+    if top_k > 0:  # fewer than k tokens strictly larger
+        keep = (z[..., None, :] > z[..., :, None]).sum(-1) < top_k
+    p = _softmax_where(z, keep)
+    if top_p < 1.0:
+        idx = np.broadcast_to(np.arange(V), z.shape)
+        order = np.lexsort((idx, -p), axis=-1)  # larger probability first, then smaller index
+        p_sorted = np.take_along_axis(p, order, -1)
+        before = np.cumsum(p_sorted, -1) - p_sorted  # mass of the tokens ahead in the order
+        # walking the order, a token joins the nucleus while the mass gathered so far is still < top_p
+        in_nucleus = np.zeros(z.shape, bool)
+        np.put_along_axis(in_nucleus, order, before < top_p, -1)
+        p = _softmax_where(z, keep & in_nucleus)
+    return p
+
+
+def _softmax_where(z, keep):
+    m = np.max(np.where(keep, z, -np.inf), -1, keepdims=True)
+    e = np.where(keep, np.exp(z - m), 0.0)
+    return e / e.sum(-1, keepdims=True)
+
+
+def top_p_margin(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Per row, how far the nucleus' cumulative masses are from top_p (min |mass of a prefix - top_p|): rows with
+    a margin below float32 resolution are decided by rounding, not by the definition, and are not compared."""
+    z = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
+    flat = z.reshape(-1, z.shape[-1])
+    out = np.empty(flat.shape[0])
+    for r, row in enumerate(flat):
+        keep = np.ones(row.shape[0], bool) if top_k <= 0 else \
+            np.array([np.sum(row > row[i]) < top_k for i in range(row.shape[0])])
+        p = _softmax_where(row, keep)
+        cum = np.cumsum(sorted(p, reverse=True))
+        out[r] = np.min(np.abs(cum - top_p))
+    return out.reshape(z.shape[:-1])
+
+
+def residual(p, q) -> np.ndarray:
+    """The distribution a rejected draft is replaced from: norm(max(p - q, 0))."""
+    r = np.maximum(np.asarray(p, np.float64) - np.asarray(q, np.float64), 0.0)
+    return r / r.sum()
+
+
+def accept_probability(p, q, d) -> float:
+    return min(1.0, float(p[d]) / float(q[d]))
+
+
+def pearson_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square p-value of observed counts against cell probabilities (cells with expected count
+    below min_expected pooled into one). A count in a cell of probability 0 is a certain failure (p = 0)."""
+    from scipy import stats
+
+    counts = np.asarray(counts, np.float64).reshape(-1)
+    probs = np.asarray(probs, np.float64).reshape(-1)
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    n = counts.sum()
+    exp = probs * n
+    small = exp < min_expected
+    obs = np.append(counts[~small], counts[small].sum())
+    ex = np.append(exp[~small], exp[small].sum())
+    keep = ex > 0
+    assert keep.sum() >= 2, f"fewer than 2 cells with expected count >= {min_expected}: nothing to test"
+    stat = float(np.sum((obs[keep] - ex[keep]) ** 2 / ex[keep]))
+    return float(stats.chi2.sf(stat, keep.sum() - 1))

@@ -1,0 +1,182 @@
+"""jdspark.sampling against the NumPy reference written from the definitions (tests/jdspark/sampling_ref.py):
+process_logits (temperature, top-k with ties, top-p), accept_greedy, and accept_rejection (acceptance probability,
+the residual a rejected draft is replaced from, p == q, drafts past n_verify).
+
+Statistical checks: Pearson chi-square / binomial tests at ALPHA = 1e-4 each, fixed seeds; each test makes at most
+8 such checks, so a correct implementation fails a test with probability <= 8e-4 over the choice of seeds.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits
+from tests.jdspark import sampling_ref as ref
+
+ALPHA = 1e-4
+SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.5, 4, 0.8), (1.3, 0, 0.5),
+            (2.0, 7, 0.95), (0.9, 1, 1.0)]
+
+
+def _rows(seed: int, R: int = 64, V: int = 16) -> np.ndarray:
+    """Half continuous logits, half small integers (many exact ties, in logits and in probabilities)."""
+    rng = np.random.default_rng(seed)
+    cont = rng.normal(0, 2, (R // 2, V))
+    ties = rng.integers(-2, 3, (R // 2, V)).astype(np.float64)
+    return np.concatenate([cont, ties]).astype(np.float32)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_process_logits_matches_the_reference(temperature, top_k, top_p):
+    logits = _rows(int(temperature * 10) + top_k)
+    got = np.exp(np.asarray(process_logits(jnp.asarray(logits), SamplingParams(temperature, top_k, top_p))))
+    want = ref.process(logits, temperature, top_k, top_p)
+    decided = ref.top_p_margin(logits, temperature, top_k, top_p) > 1e-5 if top_p < 1 else np.ones(len(logits), bool)
+    assert decided.mean() > 0.9  # rows within rounding of the top-p boundary are few (and not compared)
+    np.testing.assert_array_equal(got[decided] > 0, want[decided] > 0, err_msg="kept sets differ")
+    np.testing.assert_allclose(got[decided], want[decided], atol=2e-6, rtol=1e-5)
+    if top_k and top_p == 1.0:  # ties at the k-th value are kept: some integer rows keep more than k tokens
+        assert ((want > 0).sum(-1) > top_k).any()
+
+
+@pytest.mark.parametrize("logits,top_k,top_p,kept", [
+    ([3, 3, 3, 1, 0], 2, 1.0, [0, 1, 2]),  # a 3-way tie at the 2nd largest: all kept
+    ([1, 1, 1, 1], 0, 0.5, [0, 1]),  # mass reaches 0.5 exactly at 2 tokens; ties by smaller index
+    ([1, 1, 1, 1], 0, 0.51, [0, 1, 2]),
+    ([0, 5, 0, 5], 0, 0.4, [1]),  # two tied maxima, each ~0.497: one reaches 0.4, the smaller index
+    ([2, 0, 2, 0, 2], 2, 0.5, [0, 2]),  # top-k keeps the 3 tied; top-p then takes 2 of them (1/3 each)
+])
+def test_top_k_top_p_ties(logits, top_k, top_p, kept):
+    z = np.asarray([logits], np.float32)
+    want = ref.process(z, 1.0, top_k, top_p)[0]
+    got = np.exp(np.asarray(process_logits(jnp.asarray(z), SamplingParams(1.0, top_k, top_p))))[0]
+    assert np.flatnonzero(want).tolist() == kept
+    assert np.flatnonzero(got > 0).tolist() == kept
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------- greedy
+def test_accept_greedy_is_the_longest_matching_prefix_capped_by_n_verify():
+    rng = np.random.default_rng(0)
+    G, V = 5, 6
+    for _ in range(200):
+        logits = rng.normal(size=(G + 1, V)).astype(np.float32)
+        am = logits.argmax(-1)
+        drafts = np.where(rng.random(G) < 0.7, am[:G], rng.integers(0, V, G)).astype(np.int32)
+        n_verify = int(rng.integers(0, G + 1))
+        m = 0
+        while m < n_verify and drafts[m] == am[m]:
+            m += 1
+        n_acc, bonus = accept_greedy(jnp.asarray(drafts), jnp.asarray(logits), jnp.int32(n_verify))
+        assert (int(n_acc), int(bonus)) == (m, int(am[m])), (drafts, am, n_verify)
+
+
+def test_accept_greedy_never_accepts_past_n_verify():
+    """Drafts all right, verification truncated to n: exactly n accepted, the bonus is the target's token n."""
+    logits = np.eye(6, dtype=np.float32)[[3, 1, 4, 1, 5]]  # argmax 3 1 4 1 5
+    drafts = jnp.asarray([3, 1, 4, 1], jnp.int32)
+    for n in range(5):
+        n_acc, bonus = accept_greedy(drafts, jnp.asarray(logits), jnp.int32(n))
+        assert (int(n_acc), int(bonus)) == (n, [3, 1, 4, 1, 5][n])
+
+
+# ---------------------------------------------------------------------------------------------------- rejection
+@functools.lru_cache(maxsize=None)
+def _vmapped_rejection(sp: SamplingParams):
+    f = lambda k, d, lq, lt, n: accept_rejection(k, d, lq, lt, n, sp)  # noqa: E731
+    return jax.jit(jax.vmap(f, in_axes=(0, 0, None, None, None)))
+
+
+def _run_rejection(key_seed, drafts_ND, logq_GV, logits_G1V, n_verify, sp):
+    keys = jax.random.split(jax.random.key(key_seed), drafts_ND.shape[0])
+    n_acc, nxt = _vmapped_rejection(sp)(keys, jnp.asarray(drafts_ND, jnp.int32), jnp.asarray(logq_GV),
+                                        jnp.asarray(logits_G1V), jnp.int32(n_verify))
+    return np.asarray(n_acc), np.asarray(nxt)
+
+
+def _binom_ok(k: int, n: int, p: float) -> bool:
+    return sps.binomtest(k, n, p).pvalue > ALPHA
+
+
+SP = SamplingParams(0.8, 0, 0.9)
+
+
+def test_rejection_accepts_with_min_1_p_over_q_and_resamples_from_the_residual():
+    """One draft slot, the draft fixed at a token q over-proposes: accepted with probability p(d)/q(d); when
+    rejected the token follows norm(max(p - q, 0)) (never d, never a token with p <= q); when accepted the bonus
+    follows p at the next position."""
+    rng = np.random.default_rng(1)
+    V, N = 6, 40000
+    logits = rng.normal(0, 1.5, (2, V)).astype(np.float32)
+    p = ref.process(logits, SP.temperature, SP.top_k, SP.top_p)
+    q = 0.5 * p[0] + 0.5 * rng.dirichlet(np.ones(V))  # mass also where p is 0 (outside the nucleus)
+    d = int(np.argmax(np.where(p[0] > 0, q / np.maximum(p[0], 1e-30), 0)))  # q(d) > p(d) > 0: may be rejected
+    assert 0.05 < ref.accept_probability(p[0], q, d) < 0.95
+    logq = np.log(np.maximum(q, 1e-38)).astype(np.float32)[None]
+    logq[q[None] == 0] = -np.inf
+    n_acc, nxt = _run_rejection(2, np.full((N, 1), d), logq, logits, 1, SP)
+    acc = n_acc == 1
+    assert _binom_ok(int(acc.sum()), N, ref.accept_probability(p[0], q, d)), acc.mean()
+    assert ref.pearson_pvalue(np.bincount(nxt[~acc], minlength=V), ref.residual(p[0], q)) > ALPHA
+    assert ref.pearson_pvalue(np.bincount(nxt[acc], minlength=V), p[1]) > ALPHA
+
+
+def test_rejection_output_follows_p_at_every_slot():
+    """Drafts drawn from q, p fixed per slot (a context-free target): the token emitted at slot j (an accepted
+    draft, the replacement after a rejection, or the bonus at j = G) follows p_j, given the step reached slot j."""
+    rng = np.random.default_rng(3)
+    G, V, N = 3, 5, 40000
+    logits = rng.normal(0, 1.2, (G + 1, V)).astype(np.float32)
+    qlogits = (logits[:G] + rng.normal(0, 1.2, (G, V))).astype(np.float32)
+    sp = SamplingParams(1.0, 4, 1.0)
+    p = ref.process(logits, 1.0, 4, 1.0)
+    q = ref.process(qlogits, 1.0, 4, 1.0)
+    drafts = np.stack([rng.choice(V, N, p=q[j]) for j in range(G)], 1)
+    logq = np.asarray(process_logits(jnp.asarray(qlogits), sp))
+    n_acc, nxt = _run_rejection(4, drafts, logq, logits, G, sp)
+    emitted = np.concatenate([drafts, np.zeros((N, 1), int)], 1)
+    emitted[np.arange(N), n_acc] = nxt
+    hist = np.bincount(n_acc, minlength=G + 1)
+    assert (hist > 100).all(), hist  # every accepted length happens
+    for j in range(G + 1):
+        reached = n_acc >= j
+        assert ref.pearson_pvalue(np.bincount(emitted[reached, j], minlength=V), p[j]) > ALPHA, j
+
+
+def test_rejection_with_p_equal_q_accepts_every_verified_draft():
+    """q == p (processed alike): every verified draft is accepted, whatever the keys; with n_verify < G the drafts
+    after it count as not drafted and the next token follows p at position n_verify (a bonus, not a residual)."""
+    rng = np.random.default_rng(5)
+    G, V, N = 4, 7, 10000
+    logits = rng.normal(0, 1.0, (G + 1, V)).astype(np.float32)
+    sp = SamplingParams(1.0, 0, 0.95)
+    logp = np.asarray(process_logits(jnp.asarray(logits), sp))
+    p = ref.process(logits, 1.0, 0, 0.95)
+    drafts = np.stack([rng.choice(V, N, p=p[j]) for j in range(G)], 1)
+    for n_verify in (G, 2, 0):
+        n_acc, nxt = _run_rejection(6 + n_verify, drafts, logp[:G], logits, n_verify, sp)
+        assert (n_acc == n_verify).all(), np.bincount(n_acc)
+        assert ref.pearson_pvalue(np.bincount(nxt, minlength=V), p[n_verify]) > ALPHA, n_verify
+
+
+def test_rejection_never_accepts_past_n_verify():
+    """q == p but verification truncated at n: drafts past n are never accepted (counted as drafted only up to n),
+    and a rejection inside the verified drafts still resamples from the residual."""
+    rng = np.random.default_rng(7)
+    G, V, N = 4, 5, 20000
+    logits = rng.normal(0, 1.0, (G + 1, V)).astype(np.float32)
+    sp = SamplingParams(1.0, 0, 1.0)
+    p = ref.process(logits, 1.0, 0, 1.0)
+    q = p.copy()
+    q[1] = ref.process(rng.normal(0, 1.0, (1, V)), 1.0, 0, 1.0)[0]  # slot 1 can be rejected
+    drafts = np.stack([rng.choice(V, N, p=q[j]) for j in range(G)], 1)
+    logq = np.array(process_logits(jnp.asarray(logits[:G]), sp))  # q == p to the bit where they agree
+    logq[1] = np.log(q[1])
+    n_acc, nxt = _run_rejection(8, drafts, logq, logits, 2, sp)
+    assert n_acc.max() == 2 and n_acc.min() == 1  # slot 0 always passes (q = p), slot 2 is never verified
+    rej = n_acc == 1
+    assert ref.pearson_pvalue(np.bincount(nxt[rej], minlength=V), ref.residual(p[1], q[1])) > ALPHA
+    assert ref.pearson_pvalue(np.bincount(nxt[~rej], minlength=V), p[2]) > ALPHA
