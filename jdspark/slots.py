@@ -96,7 +96,6 @@ class SlotBackend:
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
         self.params[:, 2] = 1.0
-        self.lengths = np.zeros(self.num_slots, np.int64)  # positions each slot's cache holds (host copy)
 
     # ------------------------------------------------------------------ Backend
     def prompt_bucket(self, n: int) -> int:
@@ -119,7 +118,6 @@ class SlotBackend:
                                     jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
                                     jax.random.key(req.seed), jnp.float32(req.temperature),
                                     jnp.int32(req.top_k), jnp.float32(req.top_p), max_len=self.max_len)
-        self.lengths[slot] = n
         return StepOutput([int(np.asarray(first)[0])])
 
     def step(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
@@ -138,14 +136,12 @@ class SlotBackend:
         res = {}
         for i, s in enumerate(slots):
             k = int(np.asarray(n_new).reshape(-1)[i])
-            self.lengths[s] += k
             res[s] = StepOutput(new[i, :k].tolist(), drafted=int(np.asarray(drafted).reshape(-1)[i]),
                                 accepted=int(np.asarray(accepted).reshape(-1)[i]), verified=W)
         return res
 
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0)
-        self.lengths[slot] = 0
 
     def warm_up(self, widths: Sequence[int] = ()) -> None:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving."""
