@@ -70,6 +70,7 @@ class Event:
     token_ids: list
     finish_reason: Optional[str] = None
     usage: Optional[dict] = None
+    error: Optional[str] = None  # why the request could not be served (it ends with finish_reason "abort")
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,7 +184,14 @@ class Engine:
                     req.admitted_at = time.monotonic()
                     if self.metrics:
                         self.metrics.queue_time(req.admitted_at - req.arrival)
-                    self._commit(s, req, self.backend.insert(s, req.sampling), prefill=True)
+                    try:
+                        first = self.backend.insert(s, req.sampling)
+                    except ValueError as e:  # this request cannot be served (e.g. too long): it alone ends
+                        with self._cv:
+                            self.slots[s] = None  # nothing was placed on the device
+                        self._finish(req, "abort", error=str(e))
+                        continue
+                    self._commit(s, req, first, prefill=True)
                 active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
                 if active:
                     outs = self.backend.step(active)
@@ -258,11 +266,11 @@ class Engine:
         elif delta or take:
             req.on_event(Event(delta, take))
 
-    def _finish(self, req: Request, reason: str, delta: str = "", take=()) -> None:
+    def _finish(self, req: Request, reason: str, delta: str = "", take=(), error: Optional[str] = None) -> None:
         req.finished = reason
         if self.metrics:
             self.metrics.finished(req, reason, time.monotonic())
-        req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage()))
+        req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage(), error=error))
 
     def _gauges(self) -> None:
         if self.metrics:

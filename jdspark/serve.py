@@ -61,7 +61,7 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
-                     chat: bool = False) -> tuple:
+                     chat: bool = False, max_prompt: Optional[int] = None) -> tuple:
     """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -95,6 +95,9 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
             raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
     if not ids:
         raise ApiError(400, "the prompt is empty", "prompt")
+    if max_prompt is not None and len(ids) > max_prompt:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt} (its largest "
+                            "prompt bucket)", "prompt")
     max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                       (int,), 16, lambda v: v >= 1, "an integer >= 1")
     if len(ids) + max_tokens > max_context:
@@ -129,7 +132,7 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
-              is_ready=lambda: True) -> FastAPI:
+              is_ready=lambda: True, max_prompt: Optional[int] = None) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
 
     def err(e: ApiError):
@@ -162,7 +165,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         try:
             sp, stop, ignore_eos, stream, include_usage = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
-                chat=chat)
+                chat=chat, max_prompt=max_prompt)
         except ApiError as e:
             return err(e)
         loop = asyncio.get_running_loop()
@@ -197,6 +200,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         except asyncio.CancelledError:
             engine.cancel(req)
             raise
+        if last.error is not None:
+            return err(ApiError(400, last.error, "prompt"))
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
@@ -241,6 +246,10 @@ async def _sse(request, engine, req, events, chat: bool, created: int, model_nam
                 continue
             if ev.text:
                 yield chunk(ev.text, None)
+            if ev.error is not None:
+                body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt",
+                                  "code": None}}
+                yield f"data: {json.dumps(body)}\n\n"
             if ev.finish_reason is not None:
                 yield chunk(None, ev.finish_reason)
                 if include_usage:
@@ -290,7 +299,8 @@ def main(argv=None) -> int:
 
     threading.Thread(target=warm, name="jdspark-warm-up", daemon=True).start()
     app = build_app(engine, tok, model_name=name, vocab_size=target.config.vocab_size,
-                    max_context=a.max_len - backend.G - 1, metrics=metrics, is_ready=ready.is_set)
+                    max_context=a.max_len - backend.G - 1, metrics=metrics, is_ready=ready.is_set,
+                    max_prompt=backend.prompt_buckets[-1])
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -24,6 +24,8 @@ class ScriptedBackend:
 
     def insert(self, slot, req):
         assert slot not in self.last, f"slot {slot} inserted while busy"
+        if req.prompt_ids[-1] == ord("~"):  # a prompt the device side refuses (as SlotBackend a too-long one)
+            raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
         self.last[slot] = (req.prompt_ids[-1] + 1) % 256
         return StepOutput([self.last[slot]])

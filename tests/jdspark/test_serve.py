@@ -118,6 +118,16 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(srv, body, 
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
+def test_a_request_the_backend_refuses_ends_alone(srv):
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x~", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt refused by the backend"
+    with httpx.stream("POST", srv.url + "/v1/completions", json={"prompt": "x~", "stream": True}) as s:
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert "prompt refused" in lines[0] and lines[-1] == "data: [DONE]"
+    ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+    assert ok.status_code == 200 and httpx.get(srv.url + "/health").status_code == 200
+
+
 def test_bad_chat_messages(srv):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
