@@ -61,7 +61,8 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
-                     chat: bool = False, max_prompt: Optional[int] = None) -> tuple:
+                     chat: bool = False, max_prompt: Optional[int] = None,
+                     spec_modes: tuple = ("fixed", "adaptive")) -> tuple:
     """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
@@ -121,9 +122,9 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     stream = _get(body, "stream", (bool,), False, what="a boolean")
     speculative = _get(body, "speculative", (bool,), True, what="a boolean")
     spec_mode = _get(body, "spec_mode", (str,), None, lambda v: v in ("fixed", "adaptive"), "'fixed' or 'adaptive'")
-    if spec_mode == "adaptive":
-        raise ApiError(400, "spec_mode 'adaptive' (confidence-driven verification) is not built yet; use 'fixed'",
-                       "spec_mode", code="not_implemented")
+    if spec_mode is not None and spec_mode not in spec_modes:
+        raise ApiError(400, f"spec_mode {spec_mode!r} is not served here (this server offers {list(spec_modes)}; "
+                       "start it with --spec adaptive for both)", "spec_mode", code="unsupported")
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
@@ -132,7 +133,8 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
-              is_ready=lambda: True, max_prompt: Optional[int] = None) -> FastAPI:
+              is_ready=lambda: True, max_prompt: Optional[int] = None,
+              spec_modes: tuple = ("fixed", "adaptive")) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
 
     def err(e: ApiError):
@@ -165,7 +167,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         try:
             sp, stop, ignore_eos, stream, include_usage = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
-                chat=chat, max_prompt=max_prompt)
+                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes)
         except ApiError as e:
             return err(e)
         loop = asyncio.get_running_loop()
@@ -275,8 +277,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=1024, help="cache positions per slot (prompt + completion)")
     ap.add_argument("--prompt-buckets", default="64,128,256,512")
     ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
-    ap.add_argument("--spec", choices=("off", "fixed"), default="fixed",
-                    help="off: plain decoding for every request; fixed: verify the drafter's whole block")
+    ap.add_argument("--spec", choices=("off", "fixed", "adaptive"), default="adaptive",
+                    help="off: plain decoding for every request; fixed: verify the drafter's whole block; adaptive: "
+                         "the default request mode picks each step's verify width (requests may ask 'fixed')")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
@@ -286,7 +289,8 @@ def main(argv=None) -> int:
     tok = kimi.load_tokenizer(tdir, vocab_size=target.config.vocab_size)
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
-                          prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")])
+                          prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")],
+                          adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
                     metrics=metrics)
@@ -300,7 +304,8 @@ def main(argv=None) -> int:
     threading.Thread(target=warm, name="jdspark-warm-up", daemon=True).start()
     app = build_app(engine, tok, model_name=name, vocab_size=target.config.vocab_size,
                     max_context=a.max_len - backend.G - 1, metrics=metrics, is_ready=ready.is_set,
-                    max_prompt=backend.prompt_buckets[-1])
+                    max_prompt=backend.prompt_buckets[-1],
+                    spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",))
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

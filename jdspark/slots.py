@@ -12,11 +12,18 @@ anchor, RNG key), plus per-slot sampling parameters and draft caps on the host. 
 ``insert`` prefills one prompt at batch 1 (its length bucketed) and writes the row into its slot (slot index
 traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` before the server says ready.
 Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block).
+
+Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1); ``adaptive`` (``jdspark.adaptive``)
+picks W from the compiled widths (default 1, 2, 4, G + 1) by the confidence head's survival curves of each row's
+previous block and the step costs ``warm_up()`` measured. A step holding any ``fixed`` row runs at G + 1; a step
+whose rows all speculate 0 drafts is a plain decode (W = 1).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import time
 from typing import Optional, Sequence
 
 import jax
@@ -24,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdspark.adaptive import SurvivalTracker, choose_width, monotone_costs
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -51,8 +59,9 @@ def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_l
     return state, first
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width"), donate_argnames=("state",))
-def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, topp_b, cap_b, *, width):
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence"),
+                   donate_argnames=("state",))
+def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, topp_b, cap_b, *, width, confidence):
     """One step of the rows ``rows_b`` (slot indices; a padded bucket may repeat a row: only its first copy is
     written back, and copies compute the same thing)."""
     target = nnx.merge(t_graph, t_state)
@@ -63,7 +72,7 @@ def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, top
         sp = SamplingParams.rows(t, k, p)
         if drafter is None or width == 1:
             return plain_step(target, st, sp)
-        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap)
+        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence)
 
     new, out = jax.vmap(one)(sub, temp_b, topk_b, topp_b, cap_b)
     state = jax.tree.map(lambda s, n: s.at[rows_b].set(n), state, new)
@@ -75,7 +84,7 @@ class SlotBackend:
 
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
-                 seed: int = 0):
+                 seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         self.target, self.drafter = serving_pair(target, drafter)
@@ -96,6 +105,20 @@ class SlotBackend:
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
         self.params[:, 2] = 1.0
+        # verify widths: adaptive needs the drafter's confidence head (its survival curves)
+        self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
+        if adaptive and not self.adaptive:
+            raise ValueError("adaptive verification needs a drafter with a confidence head")
+        full = self.G + 1
+        if widths is None:
+            widths = sorted({1, full} | ({w for w in (2, 4) if w < full} if self.adaptive else set()))
+        self.widths = tuple(sorted(int(w) for w in widths))
+        if self.drafter is not None and (self.widths[0] < 1 or self.widths[-1] != full):
+            raise ValueError(f"widths: expected values in 1..{full} including {full}, got {self.widths}")
+        self.modes = ["fixed"] * self.num_slots  # per slot: "fixed" | "adaptive"
+        self.tracker = SurvivalTracker(self.num_slots, max(self.G, 1))
+        self.costs: dict = {}  # (batch bucket, width) -> seconds per step, measured by warm_up (monotone)
+        self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
 
     # ------------------------------------------------------------------ Backend
     def prompt_bucket(self, n: int) -> int:
@@ -112,46 +135,89 @@ class SlotBackend:
                              f"slots' cache of {self.max_len} positions")
         padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
         padded[0, :n] = req.prompt_ids
+        mode = req.spec_mode or ("adaptive" if self.adaptive else "fixed")
+        if mode not in ("fixed", "adaptive"):
+            raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
+        if mode == "adaptive" and not self.adaptive:
+            raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
         cap = self.G if req.speculative else 0
         self.params[slot] = (req.temperature, req.top_k, req.top_p, cap)
+        self.modes[slot] = mode
+        self.tracker.reset(slot)
         self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                     jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
                                     jax.random.key(req.seed), jnp.float32(req.temperature),
                                     jnp.int32(req.top_k), jnp.float32(req.top_p), max_len=self.max_len)
         return StepOutput([int(np.asarray(first)[0])])
 
+    def choose_width(self, slots: Sequence[int]) -> int:
+        """The verify width of the next step of ``slots`` (see the module docstring)."""
+        caps = self.params[list(slots), 3].astype(np.int64)
+        if self.drafter is None or caps.max() == 0:
+            return 1
+        if not self.adaptive or any(self.modes[s] == "fixed" and c > 0 for s, c in zip(slots, caps)):
+            return self.G + 1
+        if not self.costs:
+            raise RuntimeError("adaptive verification needs the step costs: call warm_up() first")
+        b = self._bucket(len(slots))
+        return choose_width(self.tracker.curve_SG[list(slots)], caps, b, self.widths, self.costs)[0]
+
+    def _bucket(self, n: int) -> int:
+        return next(x for x in self.batch_buckets if x >= n)
+
     def step(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
         slots = list(slots)
-        b = next(x for x in self.batch_buckets if x >= len(slots))
+        b = self._bucket(len(slots))
         rows = np.array(slots + [slots[0]] * (b - len(slots)), np.int32)
         caps = self.params[rows, 3]
-        W = 1 if self.drafter is None or caps.max() == 0 else (width or self.G + 1)
+        W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
         self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                 jnp.asarray(rows), jnp.asarray(self.params[rows, 0], jnp.float32),
                                 jnp.asarray(self.params[rows, 1], jnp.int32),
                                 jnp.asarray(self.params[rows, 2], jnp.float32),
-                                jnp.asarray(caps, jnp.int32), width=W)
-        new, n_new, drafted, accepted = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted))
+                                jnp.asarray(caps, jnp.int32), width=W, confidence=self.adaptive and W > 1)
+        new, n_new, drafted, accepted, surv = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted,
+                                                               out.survival))
+        self.width_counts[W] += 1
         new = np.asarray(new).reshape(b, -1)
+        n_new, drafted, accepted = (np.asarray(x).reshape(-1) for x in (n_new, drafted, accepted))
         res = {}
         for i, s in enumerate(slots):
-            k = int(np.asarray(n_new).reshape(-1)[i])
-            res[s] = StepOutput(new[i, :k].tolist(), drafted=int(np.asarray(drafted).reshape(-1)[i]),
-                                accepted=int(np.asarray(accepted).reshape(-1)[i]), verified=W)
+            k = int(n_new[i])
+            res[s] = StepOutput(new[i, :k].tolist(), drafted=int(drafted[i]), accepted=int(accepted[i]), verified=W)
+            if self.params[s, 3] > 0:
+                if surv is not None:
+                    self.tracker.observe(s, np.asarray(surv)[i])
+                else:
+                    self.tracker.stepped_plain(s)
         return res
 
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0)
 
-    def warm_up(self, widths: Sequence[int] = ()) -> None:
-        """Compile every prompt bucket's insert and every (batch bucket, width) step before serving."""
+    def warm_up(self, reps: int = 3) -> dict:
+        """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
+        verification also time each step program (the fastest of ``reps`` runs after its compile) into the cost
+        table the scheduler reads. Returns the table {(batch, width): seconds}."""
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
-        ws = sorted(set(widths) | ({self.G + 1} if self.drafter is not None else set()) | {1})
+        measured = {}
         for b in self.batch_buckets:
-            for w in ws:
+            for w in self.widths:
                 for s in range(b):
                     self.params[s, 3] = self.G if w > 1 else 0
-                self.step(list(range(b)), width=w)
+                self.step(list(range(b)), width=w)  # compile
+                if self.adaptive:
+                    times = []
+                    for _ in range(max(1, reps)):
+                        t0 = time.perf_counter()
+                        self.step(list(range(b)), width=w)
+                        times.append(time.perf_counter() - t0)
+                    measured[(b, w)] = min(times)
         for s in range(self.num_slots):
             self.free(s)
+            self.tracker.reset(s)
+        self.tracker.prior[:] = 1.0
+        self.width_counts.clear()
+        self.costs = monotone_costs(measured) if measured else {}
+        return dict(self.costs)

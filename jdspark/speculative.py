@@ -95,6 +95,7 @@ class StepOut:
     n_new: jax.Array  # int32: accepted drafts + the bonus token
     drafted: jax.Array  # int32: drafts verified
     accepted: jax.Array  # int32: drafts accepted
+    survival: Optional[jax.Array] = None  # [G] fp32: the confidence head's a_k = prod_{i<=k} sigmoid(c_i), if asked
 
 
 @jax.tree_util.register_dataclass
@@ -128,8 +129,15 @@ def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int, stream=None):
 
 
 def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
-                 threshold: float):
-    """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (processed), n_verify)."""
+                threshold: float, confidence: bool = False):
+    """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (processed), n_verify, survival [G]
+    or None).
+
+    survival_k = prod_{j<=k} sigmoid(c_j), the confidence head's probability that drafts 1..k are all accepted
+    (computed when ``threshold > 0`` truncates the block or ``confidence`` asks for it; None without the head).
+    Slot k's confidence reads the slot's hidden state and the previous token only, so truncating at the first k
+    with survival_k < threshold decides on slot k before its token is drawn: the rejection rule stays lossless."""
+    want = (threshold > 0 or confidence) and drafter.confidence_head is not None
     base_BGV, hid_BGD = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV)
     G = base_BGV.shape[1]
 
@@ -137,14 +145,14 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
         return sample(k, z, sp), (process_logits(z, sp) if not sp.greedy else jnp.zeros_like(z))
 
     drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, jax.random.split(key, G),
-                                                 confidence=threshold > 0)
+                                                 confidence=want)
     drafts_G, logq_GV, conf_G = drafts[0], logq[0], conf[0]
-    if threshold > 0 and drafter.confidence_head is not None:
-        survival = jnp.cumprod(jax.nn.sigmoid(conf_G))
+    survival = jnp.cumprod(jax.nn.sigmoid(conf_G)) if want else None
+    if threshold > 0 and survival is not None:
         n_verify = jnp.sum(jnp.cumprod((survival >= threshold).astype(jnp.int32))).astype(jnp.int32)
     else:
         n_verify = jnp.int32(G)
-    return drafts_G, logq_GV, n_verify
+    return drafts_G, logq_GV, n_verify, survival
 
 
 def serving_pair(target, drafter):
@@ -215,13 +223,14 @@ def plain_step(target, st: Stream, sp: SamplingParams):
 
 
 def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float = 0.0, width=None,
-              max_drafts=None):
+              max_drafts=None, confidence: bool = False):
     """One fused draft -> verify -> accept -> commit step of one stream (see the module docstring).
 
     ``width`` (static; default G + 1): the verified block's length, anchor included (a serving engine compiles a
     few widths and picks one per step); ``max_drafts`` (traced, optional): verify at most this many drafts (0: the
-    step is a plain decode inside the block). The number verified depends only on the drafter's outputs, so the
-    rejection rule stays lossless. Returns (Stream, StepOut with new_K of ``width`` tokens)."""
+    step is a plain decode inside the block), fixed before the step's drafts are drawn (lossless under sampling);
+    ``confidence`` (static): also return the confidence head's survival of this block (an adaptive scheduler
+    reads it to choose the next step's width). Returns (Stream, StepOut with new_K of ``width`` tokens)."""
     G = drafter.config.block_size
     W = G + 1 if width is None else int(width)
     if not 1 <= W <= G + 1:
@@ -230,9 +239,10 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     key, k_draft, k_acc = jax.random.split(st.key, 3)
     n = st.cache.length  # [1]
     with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
-        drafts_G, logq_GV, n_verify = draft_block(drafter, st.dcache, st.anchor, n,
-                                                   target.embed_tokens.embedding[...], target.lm_head_DV(),
-                                                   k_draft, sp, threshold)
+        drafts_G, logq_GV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,
+                                                             target.embed_tokens.embedding[...],
+                                                             target.lm_head_DV(), k_draft, sp, threshold,
+                                                             confidence)
     drafts, logq = drafts_G[:W - 1], logq_GV[:W - 1]
     n_verify = jnp.minimum(n_verify, W - 1)
     if max_drafts is not None:
@@ -247,7 +257,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     with jax.named_scope("append_context"):
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
-    return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m)
+    return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m, survival)
 
 
 _generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11))

@@ -82,6 +82,31 @@ def _stats_ms(xs) -> dict:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
+def summarize(cells) -> list:
+    """Per temperature, the ratios the issue's acceptance asks for (aggregate tok/s, side by side in one run):
+    the best mode at the highest concurrency over the best at the lowest; fixed and adaptive over off at the lowest
+    concurrency; adaptive over the better of off and fixed at every concurrency."""
+    out = []
+    for temp in sorted({c["temperature"] for c in cells}):
+        by = {(c["mode"], c["concurrency"]): c["output_tok_s"] for c in cells if c["temperature"] == temp}
+        conc = sorted({k[1] for k in by})
+        lo, hi = conc[0], conc[-1]
+
+        def best(c):
+            return max(v for (m, cc), v in by.items() if cc == c)
+
+        row = {"temperature": temp, f"best_c{hi}_over_best_c{lo}": best(hi) / best(lo)}
+        for m in ("fixed", "adaptive"):
+            if (m, lo) in by and ("off", lo) in by:
+                row[f"{m}_over_off_c{lo}"] = by[(m, lo)] / by[("off", lo)]
+        if all(("adaptive", c) in by and ("off", c) in by and ("fixed", c) in by for c in conc):
+            row["adaptive_over_best_of_off_fixed"] = {str(c): by[("adaptive", c)] / max(by[("off", c)],
+                                                                                       by[("fixed", c)])
+                                                      for c in conc}
+        out.append(row)
+    return out
+
+
 def run_cell(url: str, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
              requests: int) -> dict:
     before = scrape(url)
@@ -179,7 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--modes", default="off,fixed", help=f"of {MODES} (adaptive: once the server has it)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {MODES}")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--requests", type=int, default=None, help="per cell (default: 2 x concurrency, at least 4)")
@@ -217,7 +242,7 @@ def main(argv=None) -> int:
     if a.plot:
         plot(cells, a.plot)
     if a.json:
-        print(json.dumps({"cells": cells}, separators=(",", ":")))
+        print(json.dumps({"cells": cells, "summary": summarize(cells)}, separators=(",", ":")))
     return 0
 
 

@@ -55,7 +55,8 @@ class LiveServer:
         self.engine = Engine(self.backend, self.tok, eos_token_id=self.tok.eos_id, max_waiting=max_waiting,
                              metrics=self.metrics).start()
         app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
-                        max_context=max_context, metrics=self.metrics)
+                        max_context=max_context, metrics=self.metrics,
+                        spec_modes=("fixed",))  # as a server started with --spec fixed
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

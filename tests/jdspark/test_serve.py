@@ -237,6 +237,6 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
         assert cell["verified_per_slot_step"] == pytest.approx(5.0)
     bench_serve.plot(cells, str(tmp_path / "serve.png"))
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
-    for mode in ("sometimes", "adaptive"):  # adaptive: not built yet, said so
+    for mode in ("sometimes", "adaptive"):  # not a mode; not offered by a server started with --spec fixed
         r = httpx.post(soak_srv.url + "/v1/completions", json={"prompt": "x", "spec_mode": mode})
         assert r.status_code == 400 and r.json()["error"]["param"] == "spec_mode"

@@ -1,9 +1,10 @@
 """The serving engine on the shipped pair, batched: 20 requests of different prompt lengths, completion lengths,
-sampling settings, speculation on or off and arrival times, served 4 slots at a time through the Engine's host
-loop and the SlotBackend, each equal token for token to its own batch-1 ``jdspark.generate``: greedy ones, and
-sampled ones that speculate (the same seed drives the same draws). A sampled request with speculation off draws
-its token from p inside the verify block, with other keys than generate's plain loop: the same law, other tokens,
-so it is checked for plain steps only. Speculating requests accept partially (1 < accept_len < G + 1)."""
+sampling settings, speculation modes (off, fixed, adaptive) and arrival times, served 4 slots at a time through
+the Engine's host loop and the SlotBackend, each equal token for token to its own batch-1 ``jdspark.generate``:
+greedy ones in every mode, and sampled ones that verify whole blocks (the same seed drives the same draws). A
+sampled request verified at another width, or with speculation off (its token drawn from p inside the verify
+block), draws with other keys than generate's loop: the same law (tests/jdspark/test_sampling_law.py), other
+tokens. Speculating requests accept partially (1 < accept_len < G + 1); the adaptive steps use several widths."""
 
 import os
 import sys
@@ -14,6 +15,7 @@ import pytest
 
 import jdspark
 from jdspark import data as jdata
+from jdspark.adaptive import monotone_costs
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slots import SlotBackend, buckets_up_to
 
@@ -39,15 +41,20 @@ def test_buckets():
 def test_engine_outputs_equal_batch_one_generate(pair):
     target, drafter, tok = pair
     G = drafter.config.block_size
-    be = SlotBackend(target, drafter, num_slots=4, max_len=128, prompt_buckets=(64,), batch_buckets=(4,))
+    be = SlotBackend(target, drafter, num_slots=4, max_len=128, prompt_buckets=(64,), batch_buckets=(4,),
+                     adaptive=True)
+    # a cost table where verifying grows expensive with width, so the scheduler's choice moves with the survival
+    # curves (warm_up would measure this machine's, where the choice may sit at one width)
+    be.costs = monotone_costs({(4, w): 1.0 + 0.5 * (w - 1) for w in be.widths})
     eng = Engine(be, tok, eos_token_id=target.config.eos_token_id, max_waiting=32).start()
     prompts = jdata.heldout_prompts(20, 60, tokenizer=tok)
     reqs = []
     try:
         for i, p in enumerate(prompts):
             st = SETTINGS[i % 2]
+            mode = "adaptive" if i < 10 else "fixed"  # the first half is served mostly among adaptive rows only
             sp = SamplingRequest(tuple(int(x) for x in p[:24 + (i * 7) % 37]), 8 + (i * 5) % (MAX_NEW - 7),
-                                 seed=i, speculative=i % 4 != 3, **st)
+                                 seed=i, speculative=i % 4 != 3, spec_mode=mode, **st)
             reqs.append(eng.submit(Request(sp, lambda ev: None)))
             time.sleep(0.02 * (i % 3))  # arrivals spread over the others' steps
         deadline = time.time() + 900
@@ -64,15 +71,17 @@ def test_engine_outputs_equal_batch_one_generate(pair):
         ref = jdspark.generate(target, drafter, np.array(sp.prompt_ids), max_new_tokens=MAX_NEW, seed=sp.seed,
                                temperature=sp.temperature, top_p=sp.top_p)
         u = r.usage()
-        if sp.speculative or sp.temperature == 0:
+        if sp.temperature == 0 or (sp.speculative and sp.spec_mode == "fixed"):
             assert r.output_ids == list(ref.tokens[:sp.max_tokens]), (sp, r.output_ids, ref.tokens)
         if sp.speculative:
             spec_lens.append(u["accept_len"])
         else:
             assert u["accepted"] == 0 and u["accept_len"] == 1.0
     mean = float(np.mean(spec_lens))
-    print(f"engine accept_len per speculating request: {np.round(spec_lens, 2).tolist()} (mean {mean:.2f})")
+    print(f"engine accept_len per speculating request: {np.round(spec_lens, 2).tolist()} (mean {mean:.2f}); "
+          f"steps per verify width {dict(sorted(be.width_counts.items()))}")
     assert 1.0 < mean < G + 1
+    assert len([w for w in be.width_counts if 1 < w < G + 1]) >= 1 and be.width_counts[G + 1] > 0
 
 
 def test_sampled_slot_equals_generate(pair):

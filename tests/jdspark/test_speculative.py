@@ -6,9 +6,8 @@ the acceptance histogram is known exactly and holds every length 0..G; or the ta
 scaled by eps, which makes it (for eps = 0) an exact bigram model g(prev) -> next, and the drafter is given a
 full-rank Markov head that encodes g (its backbone output is switched off). eps > 0 lets the context (KDA and MLA
 state, MoE, AttnRes) perturb the target, so some drafts fail. Sampling: the law of every emitted token given the
-tokens before it, against the NumPy reference (tests/jdspark/sampling_ref.py) on the target's teacher-forced logits.
+tokens before it: tests/jdspark/test_sampling_law.py (with the helpers here).
 """
-import types
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,6 @@ from flax import nnx
 import jdspark
 import kimi
 from jdspark import speculative
-from jdspark.sampling import SamplingParams
-from tests.jdspark import sampling_ref
 from tests.oracle_drafter import assert_histogram, greedy_reference, histogram, oracle_drafter
 
 _OUT_PROJ = {"o_proj", "down_proj", "routed_expert_up_proj"}
@@ -118,101 +115,6 @@ def test_bad_input(tiny_cfg):
         speculative.generate(target, None, [1, 2], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         speculative.generate(target, None, [1, 2], temperature=1.0, top_p=0.0)
-
-
-# ---------------------------------------------------------------------------------------------------- sampling
-T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at least 2 full steps), draws, per check
-
-
-def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int):
-    """n independent generations of T_LAW tokens, vmapped over the key: (tokens [n, T_LAW], GenStats of [n])."""
-    t_graph, t_state = nnx.split(target)
-    d_graph, d_state = nnx.split(drafter)
-    padded = jnp.asarray(np.array(prompt, np.int32)[None])
-
-    def one(k):
-        out, _, st = speculative._generate_program(t_graph, d_graph, T_LAW, sp, -1, threshold, t_state, d_state,
-                                                   padded, jnp.int32(len(prompt)), k)
-        return out[:T_LAW], st
-
-    toks, st = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(seed), n))
-    return np.asarray(toks), jax.device_get(st)
-
-
-def _conditional_law(target, prompt, draws, sp: SamplingParams) -> np.ndarray:
-    """p_t(. | prompt, draws[:, :t]) for every draw and position t, by the NumPy reference applied to the target's
-    teacher-forced logits (one prefill over all draws): [n, T_LAW, V]."""
-    P = len(prompt)
-    seqs = np.concatenate([np.broadcast_to(np.asarray(prompt, np.int32), (len(draws), P)), draws], 1)
-    logits = []
-    for c in range(0, len(seqs), 2000):
-        chunk = seqs[c:c + 2000, :-1]
-        logits.append(np.asarray(target.prefill(chunk, target.init_cache(len(chunk), chunk.shape[1])).logits))
-    logits = np.concatenate(logits)[:, P - 1:]
-    return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p)
-
-
-def _position_pvalues(draws, law) -> list:
-    """Per position t, two Pearson tests of the drawn tokens against the conditional laws: cells = token ids, and
-    cells = the token's rank under its own law. Under a lossless sampler each draw's token at t is, given its
-    prefix, one multinomial draw from law[i, t]; the counts per cell are a sum of independent non-identical
-    multinomials whose covariance is at most the multinomial's with the averaged law, so the statistic is
-    stochastically at most chi-square (conservative): a correct sampler fails a check with probability <= ALPHA."""
-    n, T, V = law.shape
-    order = np.argsort(-law, axis=-1, kind="stable")  # rank 0 = most likely, ties by index
-    rank = np.argsort(order, axis=-1)
-    out = []
-    for t in range(T):
-        x = draws[:, t]
-        p_x = law[np.arange(n), t, x]
-        assert (p_x > 0).all(), f"position {t}: sampled a token the processed target law gives probability 0"
-        by_token = sampling_ref.pearson_pvalue(np.bincount(x, minlength=V), law[:, t].mean(0))
-        r = rank[np.arange(n), t, x]
-        by_rank = sampling_ref.pearson_pvalue(np.bincount(r, minlength=V),
-                                              np.take_along_axis(law[:, t], order[:, t], -1).mean(0))
-        out.append((by_token, by_rank))
-    return out
-
-
-@pytest.fixture(scope="module")
-def law_pair():
-    # 16 experts: every forward here routes fewer rows than experts, so the MoE takes the gathered path (vmappable)
-    cfg = kimi.KimiConfig.tiny(vocab_size=8, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts=16)
-    target = scaled_target(cfg, 0.5, seed=2)  # eps 0.5: the law depends on the whole context
-    g = bigram_map(scaled_target(cfg, 0.0, seed=2))
-    drafter = markov_drafter(target, g, 0.2, 1.0, seed=2)  # soft q, partly wrong: accepts and rejects both happen
-    # the confidence head reads [hidden ; onehot(prev)] (Markov rank V, W1 = I): a logit per previous token, so
-    # under a threshold the number of verified drafts varies with the drafted tokens
-    ch = drafter.confidence_head.proj
-    D = cfg.hidden_size
-    ch.kernel[...] = jnp.zeros_like(ch.kernel[...]).at[D:, 0].set(jnp.linspace(-1.0, 4.0, cfg.vocab_size))
-    ch.bias[...] = jnp.zeros_like(ch.bias[...]) + 1.0
-    return target, drafter
-
-
-@pytest.mark.parametrize("temperature,top_k,top_p,threshold", [(1.0, 0, 0.8, 0.0), (0.8, 4, 1.0, 0.3)])
-def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, top_p, threshold):
-    """DSpark sampling (rejection rule, residual resampling, bonus, commit, a second and third step after a
-    sampled commit, and under a confidence threshold) draws every token from the target's processed law given
-    the tokens before it, the law computed by the NumPy reference. 11 tokens = the prefill's + >= 2 steps of up
-    to G+1 = 5 tokens, so every block slot of the first two steps is tested. 2 checks per position at ALPHA:
-    a correct sampler fails this test with probability <= 22 * ALPHA = 2.2e-3."""
-    target, drafter = law_pair
-    sp = SamplingParams(temperature, top_k, top_p)
-    prompt = [3, 5, 4]
-    draws, st = _sample(target, drafter, prompt, sp, threshold, N_LAW, seed=int(10 * temperature) + top_k)
-    total = types.SimpleNamespace(target_steps=np.sum(st.target_steps), accept_counts=np.sum(st.accept_counts, 0))
-    hist = histogram(total, 4)  # (linear in the counts: the sum of the draws' histograms)
-    print(f"acceptance histogram T={temperature} k={top_k} p={top_p} threshold={threshold} "
-          f"(steps with 0..4 accepted, all draws): {hist.tolist()}")
-    assert (hist > 0).all(), hist
-    assert np.asarray(st.target_steps).min() >= 2
-    if threshold > 0:  # verification really truncated, to every length
-        assert (np.asarray(st.drafted) < 4 * np.asarray(st.target_steps)).mean() > 0.5
-    law = _conditional_law(target, prompt, draws, sp)
-    pv = _position_pvalues(draws, law)
-    bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
-    assert not bad, f"positions failing (token, rank) p-values: {bad}"
 
 
 def test_serving_layout_matches_the_checkpoint_model():

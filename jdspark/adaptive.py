@@ -1,0 +1,94 @@
+"""Adaptive verification: choose each serving step's verify width from the drafter's confidences and a measured
+cost table (DSpark's hardware-aware prefix scheduler, paper section 3.2.2; vLLM's ``enable_adaptive_verification``).
+
+For slot r the confidence head gives a survival curve a_{r,k} = prod_{i<=k} sigmoid(c_{r,i}), the probability that
+drafts 1..k are all accepted. Verifying W tokens (the anchor and W - 1 drafts) commits in expectation
+
+    E_r(W) = 1 + sum_{k=1}^{W-1} a_{r,k}        (the bonus token always, draft k when 1..k all survive)
+
+and a step of b rows at width W costs T(b, W) seconds (profiled at start-up, made monotone). The scheduler picks
+the width maximising expected committed tokens per second, sum_r E_r(W) / T(b, W), over the compiled widths
+(W = 1 is a plain decode step: no drafter pass at all).
+
+Lossless under sampling: the width of step t is chosen from the survival curves of step t - 1 (vLLM's rule), so
+it is fixed before step t's drafts are drawn and rejection sampling's output law is unchanged. (Choosing from the
+current step's curves would let a draft's own value decide whether it is verified: the confidence of slot k + 1
+reads token k.) The verified block is rectangular ([b, W] through ``jax.vmap``), so every row verifies the same
+width: allocating a budget unevenly across rows would save nothing here; that needs ragged verification.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["expected_tokens", "choose_width", "monotone_costs", "SurvivalTracker"]
+
+
+def expected_tokens(survival_RG: np.ndarray, caps_R: np.ndarray, width: int) -> float:
+    """sum_r E_r(W) with E_r(W) = 1 + sum_{k <= min(W - 1, cap_r)} a_{r,k} (a row capped at 0 drafts commits 1)."""
+    surv = np.asarray(survival_RG, np.float64)
+    n_drafts = np.minimum(int(width) - 1, np.asarray(caps_R, np.int64))  # [R]
+    k = np.arange(surv.shape[1])[None, :]
+    return float(np.sum(1.0 + np.sum(np.where(k < n_drafts[:, None], surv, 0.0), axis=1)))
+
+
+def monotone_costs(costs: Mapping[tuple, float]) -> dict:
+    """Make a measured cost table {(batch, width): seconds} non-decreasing in width and in batch (running maxima),
+    so timing noise never makes a larger step look cheaper than a smaller one."""
+    bs = sorted({b for b, _ in costs})
+    ws = sorted({w for _, w in costs})
+    out = {}
+    for b in bs:
+        run = 0.0
+        for w in ws:
+            if (b, w) in costs:
+                run = max(run, float(costs[(b, w)]))
+                out[(b, w)] = run
+    for w in ws:
+        run = 0.0
+        for b in bs:
+            if (b, w) in out:
+                run = max(run, out[(b, w)])
+                out[(b, w)] = run
+    return out
+
+
+def choose_width(survival_RG: np.ndarray, caps_R: np.ndarray, batch: int, widths: Sequence[int],
+                 costs: Mapping[tuple, float]) -> tuple:
+    """argmax_W sum_r E_r(W) / T(batch, W) over ``widths``. Returns (W, expected tokens, seconds)."""
+    best = None
+    for w in sorted(widths):
+        if (batch, w) not in costs:
+            raise KeyError(f"no measured cost for batch {batch} x width {w}; profile it first (warm_up)")
+        e = expected_tokens(survival_RG, caps_R, w)
+        t = costs[(batch, w)]
+        if best is None or e / t > best[1] / best[2] * (1 + 1e-9):
+            best = (int(w), e, t)
+    return best
+
+
+class SurvivalTracker:
+    """The survival curve each slot's next step is scheduled from: its last drafted block's, or for a slot that
+    has none yet (new, or last stepped plainly) a prior, the running mean of every slot's recent curves.
+
+    ``prior`` starts at ones (optimistic: a new server verifies whole blocks until it has measured acceptance);
+    ``relax`` pulls a slot that decodes plainly back toward the prior, step by step, so a slot whose traffic got
+    easier is tried again instead of staying plain forever."""
+
+    def __init__(self, num_slots: int, block_size: int, *, momentum: float = 0.9, relax: float = 0.25):
+        self.prior = np.ones(block_size)
+        self.curve_SG = np.ones((num_slots, block_size))
+        self.momentum, self.relax = float(momentum), float(relax)
+
+    def reset(self, slot: int) -> None:
+        self.curve_SG[slot] = self.prior
+
+    def observe(self, slot: int, survival_G: np.ndarray) -> None:
+        s = np.clip(np.asarray(survival_G, np.float64), 0.0, 1.0)
+        self.curve_SG[slot] = s
+        self.prior = self.momentum * self.prior + (1 - self.momentum) * s
+
+    def stepped_plain(self, slot: int) -> None:
+        self.curve_SG[slot] += self.relax * (self.prior - self.curve_SG[slot])
