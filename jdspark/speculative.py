@@ -165,7 +165,7 @@ def serving_pair(target, drafter):
 
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
-                      t_state, d_state, prompt_1P, prompt_len, key, stream=None):
+                      t_state, d_state, prompt_1P, prompt_len, key, stream=None, media_MD=None):
     """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold, stream.
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
@@ -174,7 +174,7 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
                                    nnx.merge(d_graph, d_state) if d_graph is not None else None)
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
-    st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, P + max_new + G + 1)
+    st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, P + max_new + G + 1, media_MD)
     out = jnp.zeros((max_new + G + 1,), jnp.int32)
     st = _Loop(out=out, n_out=jnp.int32(0), stream=st0, done=jnp.bool_(False),
                stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
@@ -196,13 +196,14 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     return st.out, st.n_out, st.stats
 
 
-def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int):
+def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int, media_MD=None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
-    (Stream, first token [1]). The drafter's context gets the prompt's taps."""
+    (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
+    ``media_MD``, when given)."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     cache = KimiCache.init(target.config, 1, max_len)
     valid = jnp.reshape(prompt_len, (1,)).astype(jnp.int32)
-    pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid)
+    pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid, media_MD=media_MD)
     k0, key = jax.random.split(key)
     last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
     first = sample(k0, last_logits[None], sp)
@@ -265,7 +266,7 @@ _generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11)
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
-             prompt_bucket: int = 64, stream=None) -> GenerateOutput:
+             prompt_bucket: int = 64, stream=None, images=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` so prompts of
@@ -295,9 +296,10 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     prompt = target.partition.replicate(padded)
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
+    media = None if images is None else target.partition.replicate(target.image_features(ids, images))
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
-                                      jax.random.key(seed), stream)
+                                      jax.random.key(seed), stream, media)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 

@@ -77,6 +77,7 @@ CONFIG_FILE = "config.json"
 _L = r"model\.layers\.(?P<i>\d+)\."
 _CL = "model.layers.{i}."
 # routed experts: one checkpoint tensor per expert, dense ("weight") or MXFP4 ("weight_packed" + "weight_scale")
+_V, _CV = r"vision_tower\.encoder\.blocks\.(?P<i>\d+)\.", "vision_tower.encoder.blocks.{i}."
 _EXPERT = {s: _CL + "block_sparse_moe.experts.{e}.{w}." + s for s in ("weight", "weight_packed", "weight_scale")}
 PARAM_TABLE: tuple[tuple[str, str, str], ...] = (
     # NNX path                                                          checkpoint name                      transform
@@ -114,6 +115,19 @@ PARAM_TABLE: tuple[tuple[str, str, str], ...] = (
     (r"model\.output_attn_res_norm\.weight", "model.output_attn_res_norm.weight", "copy"),
     (r"model\.output_attn_res_proj\.kernel", "model.output_attn_res_proj.weight", "linear"),
     (r"lm_head\.kernel", "lm_head.weight", "linear"),
+    # vision tower and projector (KimiConfig.vision): the official K2.5 / K3 names
+    (r"vision_tower\.patch_embed\.proj\.kernel", "vision_tower.patch_embed.proj.weight", "patch"),
+    (r"vision_tower\.patch_embed\.proj\.bias", "vision_tower.patch_embed.proj.bias", "copy"),
+    (r"vision_tower\.patch_embed\.pos_emb\.weight", "vision_tower.patch_embed.pos_emb.weight", "copy"),
+    (_V + r"(?P<p>wqkv|wo|mlp\.fc0|mlp\.fc1)\.kernel", _CV + "{p}.weight", "linear"),
+    (_V + r"(?P<p>wqkv|wo|mlp\.fc0|mlp\.fc1|norm0|norm1)\.(?P<w>bias)", _CV + "{p}.{w}", "copy"),
+    (_V + r"(?P<p>norm0|norm1)\.weight", _CV + "{p}.weight", "copy"),
+    (r"vision_tower\.encoder\.final_layernorm\.(?P<w>weight|bias)", "vision_tower.encoder.final_layernorm.{w}",
+     "copy"),
+    (r"mm_projector\.pre_norm\.(?P<w>weight|bias)", "mm_projector.pre_norm.{w}", "copy"),
+    (r"mm_projector\.proj(?P<j>[02])\.kernel", "mm_projector.proj.{j}.weight", "linear"),
+    (r"mm_projector\.proj(?P<j>[02])\.bias", "mm_projector.proj.{j}.bias", "copy"),
+    (r"mm_projector\.post_norm\.weight", "mm_projector.post_norm.weight", "copy"),  # K3's name not verified
 )
 
 # The alias table: other names found in checkpoints -> official names. Applied in order to each tensor name:
@@ -136,6 +150,9 @@ ALIAS_TABLE: tuple[tuple[str, str, Union[str, tuple[str, ...]]], ...] = (
     (_AL + r"mlp\.experts\.gate_up_proj", "experts",
      ("{l}.block_sparse_moe.experts.{e}.w1.weight", "{l}.block_sparse_moe.experts.{e}.w3.weight")),  # [E, 2I, D]
     (_AL + r"mlp\.experts\.down_proj", "experts", ("{l}.block_sparse_moe.experts.{e}.w2.weight",)),  # [E, D, I]
+    # transformers' save_pretrained of Kimi_K25ForConditionalGeneration (its reverse renaming)
+    (r"vision_tower\.encoder\.patch_embed\.(?P<rest>.+)", "rename", "vision_tower.patch_embed.{rest}"),
+    (r"model\.mm_projector\.(?P<rest>.+)", "rename", "mm_projector.{rest}"),
 )
 
 # Tensors a checkpoint may hold that the text model does not use: K3's vision tower and projector.
@@ -206,6 +223,9 @@ def _ckpt_shape(entry: _Entry, cfg: KimiConfig) -> tuple:
         return _a_log_saved_shape(cfg, s[0])
     if t == "experts":
         return s[1:]
+    if t == "patch":  # Conv2d weight [D, C, p, p]
+        v = cfg.vision
+        return (s[1], v.in_channels, v.patch_size, v.patch_size)
     return s
 
 
@@ -292,6 +312,8 @@ def _load_transform(entry: _Entry, arr: np.ndarray) -> np.ndarray:
         return arr.reshape(arr.shape[0], arr.shape[-1])
     if t == "a_log":
         return arr.reshape(-1)[: entry.shape[0]]
+    if t == "patch":
+        return arr.reshape(arr.shape[0], -1).T
     return arr
 
 
@@ -396,6 +418,59 @@ def _place(host: np.ndarray, sharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
+def _collect(path: str, report: LoadReport, skip) -> dict:
+    """{official name: TensorSource} of every tensor in the checkpoint at ``path`` (aliases resolved), except the
+    names ``skip(name)`` is true for; duplicates and index mismatches go to ``report``."""
+    files, weight_map = st.checkpoint_files(path)
+    readers = [st.SafetensorsFile(f) for f in files]  # raises on a truncated / corrupt file
+    provided: dict = {}
+    found_in: dict = {}
+    for r in readers:
+        for key, info in r.tensors.items():
+            dt, shape = info.dtype, info.shape
+            if key in found_in:
+                report.other.append(f"duplicate: {key} in both {os.path.basename(found_in[key])} and "
+                                    f"{os.path.basename(r.path)}")
+                continue
+            found_in[key] = r.path
+            if weight_map is not None and weight_map.get(key) != os.path.basename(r.path):
+                report.other.append(f"index: {key} is in {os.path.basename(r.path)} but {INDEX_FILE} says "
+                                    f"{weight_map.get(key)}")
+            if skip(key):
+                continue
+            for official, index in _resolve_aliases(key, shape, report.shape):
+                src = TensorSource(r, key, index, st.index_shape(shape, index), dt)
+                if official in provided:
+                    report.other.append(f"duplicate: {official} provided by {provided[official].where()} and "
+                                        f"{src.where()}")
+                    continue
+                provided[official] = src
+    if weight_map is not None:
+        for key, fname in weight_map.items():
+            if key not in found_in:
+                report.other.append(f"index: {INDEX_FILE} lists {key} in {fname}, which does not hold it")
+
+    return provided
+
+
+def _fill(graphdef, flat, plans, mesh, shardings):
+    """Run the load plans one parameter at a time and merge the placed values into the module."""
+    by_path = {_path_str(p): v for p, v in flat}
+    values: dict = {}
+    for _, fn in plans:
+        for p, host in fn().items():
+            var = by_path[p]
+            want = var.get_value()
+            host = np.asarray(host)
+            if tuple(host.shape) != tuple(want.shape):  # the tables above guarantee this; a bug otherwise
+                raise RuntimeError(f"{p}: built shape {host.shape}, the model expects {want.shape}")
+            host = host.astype(want.dtype, copy=False)
+            values[p] = _place(host, _sharding_for(p, want.shape, want.dtype, mesh, shardings))
+            del host
+    state = nnx.from_flat_state([(p, v.replace(values[_path_str(p)])) for p, v in flat])
+    return nnx.merge(graphdef, state)
+
+
 def load_checkpoint(path, mesh: Optional[jax.sharding.Mesh] = None, dtype=None,
                     config_overrides: Optional[Mapping[str, Any]] = None, shardings: Shardings = None):
     """Build a :class:`kimi.KimiForCausalLM` from an HF-format directory (``config.json`` + safetensors).
@@ -425,37 +500,9 @@ def load_checkpoint(path, mesh: Optional[jax.sharding.Mesh] = None, dtype=None,
     flat = list(nnx.to_flat_state(abstract_state))
     entries = _entries(flat)
 
-    files, weight_map = st.checkpoint_files(path)
     report = LoadReport(path)
-    readers = [st.SafetensorsFile(f) for f in files]  # raises on a truncated / corrupt file
-    provided: dict = {}
-    found_in: dict = {}
-    for r in readers:
-        for key, info in r.tensors.items():
-            dt, shape = info.dtype, info.shape
-            if key in found_in:
-                report.other.append(f"duplicate: {key} in both {os.path.basename(found_in[key])} and "
-                                    f"{os.path.basename(r.path)}")
-                continue
-            found_in[key] = r.path
-            if weight_map is not None and weight_map.get(key) != os.path.basename(r.path):
-                report.other.append(f"index: {key} is in {os.path.basename(r.path)} but {INDEX_FILE} says "
-                                    f"{weight_map.get(key)}")
-            if _IGNORED.fullmatch(key) or (cfg.tie_word_embeddings and key in ("lm_head.weight",
-                                                                                "language_model.lm_head.weight")):
-                continue
-            for official, index in _resolve_aliases(key, shape, report.shape):
-                src = TensorSource(r, key, index, st.index_shape(shape, index), dt)
-                if official in provided:
-                    report.other.append(f"duplicate: {official} provided by {provided[official].where()} and "
-                                        f"{src.where()}")
-                    continue
-                provided[official] = src
-    if weight_map is not None:
-        for key, fname in weight_map.items():
-            if key not in found_in:
-                report.other.append(f"index: {INDEX_FILE} lists {key} in {fname}, which does not hold it")
-
+    tied = ("lm_head.weight", "language_model.lm_head.weight") if cfg.tie_word_embeddings else ()
+    provided = _collect(path, report, lambda key: (cfg.vision is None and _IGNORED.fullmatch(key)) or key in tied)
     plans, used = _plan_load(entries, provided, cfg, report)
     for official, src in provided.items():
         if official not in used:
@@ -463,20 +510,7 @@ def load_checkpoint(path, mesh: Optional[jax.sharding.Mesh] = None, dtype=None,
             report.unexpected.append(f"{what}: {fmt_shape(src.shape)} {src.dtype}")
     report.raise_if_any()
 
-    by_path = {_path_str(p): v for p, v in flat}
-    values: dict = {}
-    for _, fn in plans:
-        for p, host in fn().items():
-            var = by_path[p]
-            want = var.get_value()
-            host = np.asarray(host)
-            if tuple(host.shape) != tuple(want.shape):  # the tables above guarantee this; a bug otherwise
-                raise RuntimeError(f"{p}: built shape {host.shape}, the model expects {want.shape}")
-            host = host.astype(want.dtype, copy=False)
-            values[p] = _place(host, _sharding_for(p, want.shape, want.dtype, mesh, shardings))
-            del host
-    state = nnx.from_flat_state([(p, v.replace(values[_path_str(p)])) for p, v in flat])
-    return nnx.merge(graphdef, state)
+    return _fill(graphdef, flat, plans, mesh, shardings)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -493,6 +527,8 @@ def _save_transform(entry: _Entry, cfg: KimiConfig, host: np.ndarray, k: int) ->
         return host.reshape(_a_log_saved_shape(cfg, entry.shape[0]))
     if t == "experts":
         return host[k]
+    if t == "patch":
+        return host.T.reshape(_ckpt_shape(entry, cfg))
     return host
 
 

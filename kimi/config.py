@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional
 
 import jax.numpy as jnp
 
+from kimi.vision_config import VisionConfig
+
 ActName = Literal["situ", "silu"]
 
 
@@ -91,6 +93,8 @@ class KimiConfig(FrozenConfig):
     # the dtype of the serving copy's weights (kimi.model.with_serving_layout): bfloat16 = bf16 matmul inputs with
     # fp32 accumulation (kimi/ops/linear.py); norms, KDA state, attention, router and logits stay fp32
     serving_dtype: Literal["float32", "bfloat16"] = "float32"
+    # the MoonViT vision tower and projector (kimi/vision.py); None for a text-only model
+    vision: Optional[VisionConfig] = None
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
@@ -165,6 +169,14 @@ class KimiConfig(FrozenConfig):
                 bad(f, f"{v} outside the vocabulary [0, {self.vocab_size})")
         if not self.mla_use_nope and self.qk_rope_head_dim % 2:
             bad("qk_rope_head_dim", "RoPE needs an even rope slice")
+        if isinstance(self.vision, dict):
+            object.__setattr__(self, "vision", VisionConfig.from_hf_config(self.vision))
+        if self.vision is not None:
+            if not isinstance(self.vision, VisionConfig):
+                bad("vision", f"expected a VisionConfig or None, got {type(self.vision).__name__}")
+            if not 0 <= self.vision.media_placeholder_token_id < self.vocab_size:
+                bad("vision", f"media_placeholder_token_id {self.vision.media_placeholder_token_id} outside the "
+                    f"vocabulary [0, {self.vocab_size})")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -213,7 +225,7 @@ class KimiConfig(FrozenConfig):
     # ------------------------------------------------------------------ presets
     @classmethod
     def k3(cls, **kw) -> "KimiConfig":
-        """The published Kimi K3 text config (2.8T total, ~104B active)."""
+        """The published Kimi K3 config (2.8T total, ~104B active), with its MoonViT3d vision tower."""
         L = 93
         mla = [i for i in range(4, 93, 4)] + [93]  # 1-based: 4, 8, ..., 88, 92, 93
         kda = [i for i in range(1, L + 1) if i not in mla]
@@ -228,6 +240,7 @@ class KimiConfig(FrozenConfig):
             topk_group=1, moe_renormalize=True, routed_scaling_factor=1.0, expert_format="mxfp4", hidden_act="situ",
             activation_situ_beta=4.0, activation_situ_linear_beta=25.0, attn_res_block_size=12, rms_norm_eps=1e-5,
             bos_token_id=163584, eos_token_id=163586, pad_token_id=163839, param_dtype="bfloat16",
+            vision=VisionConfig.k3(),
         )
         base.update(kw)
         return cls(**base)
@@ -302,7 +315,9 @@ class KimiConfig(FrozenConfig):
             for k in ("bos_token_id", "eos_token_id", "pad_token_id", "quantization_config"):
                 if k not in raw and k in top:
                     raw[k] = top[k]
-        return cls(**{**_hf_to_fields(raw), **overrides})  # overrides win over config.json
+        fields = _hf_to_fields(raw)
+        fields["vision"] = VisionConfig.from_hf_config(top.get("vision_config") or {}, top)
+        return cls(**{**fields, **overrides})  # overrides win over config.json
 
     def to_hf_config(self) -> dict:
         """The HF ``config.json`` dict (Kimi-Linear layout; ``model_type`` kimi_linear), read back by
@@ -368,6 +383,10 @@ class KimiConfig(FrozenConfig):
                                               "targets": ["Linear"]}},
                 "ignore": ["re:.*shared_experts.*"],
             }
+        if self.vision is not None:
+            d["vision_config"] = self.vision.to_hf_config()
+            d["media_placeholder_token_id"] = self.vision.media_placeholder_token_id
+            d["projection_layer_norm_eps"] = self.vision.projector_eps
         return d
 
 
@@ -393,7 +412,8 @@ _IGNORED = {
     "num_experts_per_token_shared", "use_sliding_window", "sliding_window", "max_window_layers",
     # transformers' KimiLinearConfig writes these derived / runtime keys next to the checkpoint ones
     "linear_conv_kernel_dim", "linear_head_dim", "linear_num_heads", "mlp_layer_types", "model_max_length",
-    "output_router_logits", "qk_head_dim",
+    "output_router_logits", "qk_head_dim", "projection_layer_norm_eps", "projection_hidden_size", "image_token_id",
+    "video_token_id", "vision_start_token_id", "vision_end_token_id",
 }
 # A published config.json that lacks one of these keys describes a model without that feature (Kimi-Linear, and
 # transformers' KimiLinearConfig, which has none of K3's keys), so an absent key means this value, not the

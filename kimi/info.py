@@ -23,6 +23,8 @@ PRESETS = ("k3", "kimi_linear_48b", "demo", "tiny")
 
 def _part(path: tuple) -> str:
     p = [str(x) for x in path]
+    if p[0] in ("vision_tower", "mm_projector"):
+        return "vision"
     if p[0] == "lm_head":
         return "lm_head"
     if "embed_tokens" in p:
@@ -48,7 +50,9 @@ def _is_kda(p) -> bool:
 
 
 def param_counts(cfg: KimiConfig) -> dict:
-    """{'total_params', 'active_params_per_token', 'by_part': {...}, 'bytes': ...} from abstract shapes."""
+    """{'total_params', 'active_params_per_token', 'vision_params', 'by_part': {...}, 'bytes': ...} from abstract
+    shapes. total_params counts the vision tower and projector too; active_params_per_token is per text token
+    (the vision tower runs once per image, not per token)."""
     global _KDA_LAYERS
     _KDA_LAYERS = {i for i, k in enumerate(cfg.layer_kinds) if k == "kda"}
     state = nnx.state(abstract_model(cfg))
@@ -67,16 +71,17 @@ def param_counts(cfg: KimiConfig) -> dict:
     total = sum(by_part.values())
     routed = by_part.get("routed_experts", 0)
     frac = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 0.0
-    active = total - routed + int(round(routed * frac))
-    return {"total_params": total, "active_params_per_token": active, "by_part": dict(sorted(by_part.items())),
-            "param_bytes": total_bytes}
+    vision = by_part.get("vision", 0)
+    active = total - vision - routed + int(round(routed * frac))
+    return {"total_params": total, "active_params_per_token": active, "vision_params": vision,
+            "text_params": total - vision, "by_part": dict(sorted(by_part.items())), "param_bytes": total_bytes}
 
 
 def info(cfg: KimiConfig, preset: str = "") -> dict:
     counts = param_counts(cfg)
     return {
         "preset": preset,
-        **{k: counts[k] for k in ("total_params", "active_params_per_token")},
+        **{k: counts[k] for k in ("total_params", "active_params_per_token", "text_params", "vision_params")},
         "num_layers": cfg.num_hidden_layers,
         "kda_layers": cfg.num_kda_layers,
         "mla_layers": cfg.num_mla_layers,

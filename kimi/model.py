@@ -40,6 +40,7 @@ from kimi.layers import (
 from kimi.ops import linear as linear_ops
 from kimi.ops.attn_res import attn_res
 from kimi.partitioning import NO_PARTITION, Partitioner, set_partitioner
+from kimi.vision import MoonViT, Projector, encode, merge_media, num_media_tokens
 
 MODES = ("prefill", "decode", "verify")
 
@@ -85,6 +86,9 @@ class KimiForCausalLM(nnx.Module):
         self.model = KimiModel(cfg, rngs=rngs)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.dtype, rngs=rngs)
+        if cfg.vision is not None:  # the checkpoint's top-level vision_tower.* and mm_projector.*
+            self.vision_tower = MoonViT(cfg.vision, dtype=cfg.dtype, rngs=rngs)
+            self.mm_projector = Projector(cfg.vision, cfg.hidden_size, dtype=cfg.dtype, rngs=rngs)
         self.partition: Partitioner = NO_PARTITION
 
     def set_partitioner(self, partition: Partitioner):
@@ -114,11 +118,13 @@ class KimiForCausalLM(nnx.Module):
 
     # -------------------------------------------------------------------------------------------- the forward
     def forward(self, tokens_BT, cache: KimiCache, *, mode: str, tap_layers: Sequence[int] = (),
-                valid_len_B=None) -> ModelOut:
+                valid_len_B=None, media_MD=None) -> ModelOut:
         """Pure forward over ``tokens_BT`` appended at ``cache.length``; usable inside any jit.
 
         ``valid_len_B`` (prefill of right-padded prompts): only the first valid_len tokens of each row enter the
-        cache; padded positions change no state, and their logits and taps are meaningless."""
+        cache; padded positions change no state, and their logits and taps are meaningless.
+        ``media_MD`` (projected image features, ``kimi.vision.encode``): replace the embeddings of the placeholder
+        tokens, in order, before the first layer (the count must match; ``prefill(images=...)`` checks it)."""
         cfg = self.config
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -130,6 +136,8 @@ class KimiForCausalLM(nnx.Module):
                 raise ValueError(f"tap_layers: {t} outside 0..{cfg.num_hidden_layers}")
         B, T = tokens_BT.shape
         x_BTD = self.model.embed_tokens(tokens_BT).astype(cfg.dtype)
+        if media_MD is not None:
+            x_BTD = merge_media(x_BTD, tokens_BT, media_MD, cfg.vision.media_placeholder_token_id)
         use_res = cfg.attn_res_block_size is not None
         taps = {}
         kda_state, conv_state = cache.kda_state, cache.conv_state
@@ -220,18 +228,40 @@ class KimiForCausalLM(nnx.Module):
             raise ValueError(f"{name}: {need} positions needed but the cache holds max_len={cache.max_len}; "
                              f"allocate a larger cache with init_cache(max_len=...)")
 
-    def _run(self, mode: str, tokens, cache: KimiCache, tap_layers, ndim: int) -> ModelOut:
+    def _run(self, mode: str, tokens, cache: KimiCache, tap_layers, ndim: int, media_MD=None) -> ModelOut:
         if np.ndim(tokens) != ndim:
             want = "[B, T]" if ndim == 2 else "[B]"
             raise ValueError(f"{mode}: expected tokens {want}, got shape {np.shape(tokens)}")
         self._check(tokens, cache, mode)
         tokens, cache = self.partition.place(tokens, cache)
         tokens_BT = jnp.asarray(tokens, jnp.int32)
-        return run_forward(self, tokens_BT if ndim == 2 else tokens_BT[:, None], cache, mode, tuple(tap_layers))
+        return run_forward(self, tokens_BT if ndim == 2 else tokens_BT[:, None], cache, mode, tuple(tap_layers),
+                           media_MD)
 
-    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
-        """A sharded model (``sharding.shard_model``) places the tokens and the cache by its rules first."""
-        return self._run("prefill", tokens_BT, cache, tap_layers, 2)
+    def image_features(self, tokens, images):
+        """[M, D] projected features of ``images`` for the prompt ``tokens``, after checking that the prompt holds
+        exactly M placeholder tokens. ``images``: ``kimi.image.VisionInput`` (pixel_values + grid_thw, from
+        ``kimi.image.preprocess``) or a list of images (HWC uint8 arrays or PIL images), preprocessed here."""
+        from kimi import image as image_lib
+
+        cfg = self.config
+        if cfg.vision is None:
+            raise ValueError("images: this checkpoint is text-only (no vision tower; config has no vision_config)")
+        vin = images if isinstance(images, image_lib.VisionInput) else image_lib.preprocess(images, cfg.vision)
+        want = sum(num_media_tokens(vin.grid_thw, cfg.vision))
+        have = int(np.sum(np.asarray(tokens) == cfg.vision.media_placeholder_token_id))
+        if have != want:
+            raise ValueError(f"images: the prompt holds {have} placeholder tokens "
+                             f"(id {cfg.vision.media_placeholder_token_id}) but the images give {want} features "
+                             f"(grids {np.asarray(vin.grid_thw).tolist()}); expand each placeholder with "
+                             "kimi.image.expand_placeholders")
+        return encode(self.vision_tower, self.mm_projector, vin.pixel_values, vin.grid_thw)
+
+    def prefill(self, tokens_BT, cache: KimiCache, tap_layers: Sequence[int] = (), images=None) -> ModelOut:
+        """A sharded model (``sharding.shard_model``) places the tokens and the cache by its rules first.
+        ``images`` (see ``image_features``): merged at the prompt's placeholder tokens before the first layer."""
+        media = None if images is None else self.image_features(tokens_BT, images)
+        return self._run("prefill", tokens_BT, cache, tap_layers, 2, media)
 
     def decode(self, token_B, cache: KimiCache, tap_layers: Sequence[int] = ()) -> ModelOut:
         return self._run("decode", token_B, cache, tap_layers, 1)
@@ -293,14 +323,14 @@ def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
     return model
 
 
-def _forward_pure(graphdef, state, tokens_BT, cache, mode, tap_layers):
+def _forward_pure(graphdef, state, tokens_BT, cache, mode, tap_layers, media_MD=None):
     model = nnx.merge(graphdef, state)
-    return model.forward(tokens_BT, cache, mode=mode, tap_layers=tap_layers)
+    return model.forward(tokens_BT, cache, mode=mode, tap_layers=tap_layers, media_MD=media_MD)
 
 
 forward_jit = jax.jit(_forward_pure, static_argnums=(0, 4, 5), donate_argnums=(3,))
 
 
-def run_forward(model: KimiForCausalLM, tokens_BT, cache, mode: str, tap_layers: tuple) -> ModelOut:
+def run_forward(model: KimiForCausalLM, tokens_BT, cache, mode: str, tap_layers: tuple, media_MD=None) -> ModelOut:
     graphdef, state = nnx.split(model)
-    return forward_jit(graphdef, state, tokens_BT, cache, mode, tap_layers)
+    return forward_jit(graphdef, state, tokens_BT, cache, mode, tap_layers, media_MD)
