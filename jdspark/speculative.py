@@ -177,6 +177,16 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
                                 cache_positions(P, max_new, G, chunk), chunk)
+    return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream)
+
+
+def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingParams, eos_id: int,
+                threshold: float = 0.0, stream=None):
+    """The generation after its prefill (``prefill_stream``'s Stream and first token): ``spec_step`` (or
+    ``plain_step`` without a drafter) in a ``lax.while_loop`` until EOS or ``max_new`` tokens, the first included.
+    Returns (out [max_new + G + 1] (the first n_out valid), n_out, GenStats). Usable inside jit; a benchmark jits
+    it alone to time and measure decoding apart from the prefill (scripts/bench_long.py)."""
+    G = drafter.config.block_size if drafter is not None else 0
     out = jnp.zeros((max_new + G + 1,), jnp.int32)
     st = _Loop(out=out, n_out=jnp.int32(0), stream=st0, done=jnp.bool_(False),
                stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
