@@ -54,6 +54,11 @@ class DSparkConfig(FrozenConfig):
     layer_types: Optional[tuple[str, ...]] = None  # None -> every layer "full_attention"
     sliding_window: Optional[int] = None  # None: "sliding_attention" layers behave as full attention
     attention: str = "gqa"  # "gqa": speculators' Qwen3 layer; "mla": K3-native MLA layer (shape only: check_buildable)
+    # every layer reads only the last context_window context positions, from a ring buffer of that many slots
+    # (None: all of them, a cache as long as the stream). speculators' equivalent: every layer "sliding_attention"
+    # with sliding_window = context_window and sliding_window_non_causal = True; config.json carries it as the
+    # top-level key "context_window" (written only when set).
+    context_window: Optional[int] = None
     # MLA shape (attention == "mla" only; names as in kimi.KimiConfig)
     q_lora_rank: Optional[int] = None
     kv_lora_rank: int = 0
@@ -118,6 +123,10 @@ class DSparkConfig(FrozenConfig):
             if isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) \
                     or self.sliding_window <= 0:
                 bad("sliding_window", f"expected None or a positive int, got {self.sliding_window!r}")
+        if self.context_window is not None:
+            if isinstance(self.context_window, bool) or not isinstance(self.context_window, int) \
+                    or self.context_window <= 0:
+                bad("context_window", f"expected None or a positive int, got {self.context_window!r}")
         if self.attention == "gqa":
             for f in ("num_key_value_heads", "head_dim"):
                 v = getattr(self, f)
@@ -276,6 +285,7 @@ class DSparkConfig(FrozenConfig):
             attention_bias=bool(tl.get("attention_bias", False)),
             layer_types=tuple(layer_types) if layer_types else None,
             sliding_window=tl.get("sliding_window"),
+            context_window=raw.get("context_window"),
             attention="mla" if mla else "gqa",
             verifier_name_or_path=verifier.get("name_or_path"),
             verifier_architectures=tuple(verifier.get("architectures") or ()),
@@ -318,7 +328,9 @@ class DSparkConfig(FrozenConfig):
             tl.update(q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
                       qk_nope_head_dim=self.qk_nope_head_dim, qk_rope_head_dim=self.qk_rope_head_dim,
                       v_head_dim=self.v_head_dim)
+        extra = {} if self.context_window is None else {"context_window": self.context_window}
         return {
+            **extra,
             "architectures": ["DSparkDraftModel"],
             "auto_map": {"": "config.DSparkSpeculatorConfig"},
             "aux_hidden_state_layer_ids": list(self.aux_hidden_state_layer_ids),

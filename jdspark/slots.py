@@ -35,6 +35,8 @@ from jdspark.adaptive import SurvivalTracker, choose_width, monotone_costs
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
+from kimi import dispatch
+from kimi.prefill import chunked_positions
 
 __all__ = ["SlotBackend", "buckets_up_to"]
 
@@ -48,13 +50,13 @@ def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     return tuple(out + [n])
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk"), donate_argnames=("state",))
 def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-            *, max_len):
+            *, max_len, chunk=None):
     target = nnx.merge(t_graph, t_state)
     drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     sp = SamplingParams.rows(temp, top_k, top_p)
-    row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len)
+    row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return state, first
 
@@ -84,7 +86,8 @@ class SlotBackend:
 
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
-                 seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None):
+                 seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
+                 prefill_chunk: Optional[int] = None):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         self.target, self.drafter = serving_pair(target, drafter)
@@ -96,6 +99,12 @@ class SlotBackend:
             raise ValueError(f"prompt_buckets: the largest ({self.prompt_buckets[-1]}) + a token + a block must fit "
                              f"max_len ({self.max_len})")
         self.batch_buckets = tuple(batch_buckets or buckets_up_to(self.num_slots))
+        self.prefill_chunk = prefill_chunk  # issue 18: long prompt buckets prefill in chunks (kimi.dispatch)
+        for P in self.prompt_buckets:
+            c = dispatch.prefill_chunk(P, prefill_chunk)
+            if c is not None and chunked_positions(P, c) + self.G + 1 > self.max_len:
+                raise ValueError(f"prefill_chunk: bucket {P} in chunks of {c} writes {chunked_positions(P, c)} "
+                                 f"positions; with a block they exceed max_len ({self.max_len})")
         self.t_graph, self.t_state = nnx.split(self.target)
         self.d_graph, self.d_state = nnx.split(self.drafter) if self.drafter is not None else (None, None)
         row, _ = jax.eval_shape(lambda: prefill_stream(
@@ -147,7 +156,8 @@ class SlotBackend:
         self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                     jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
                                     jax.random.key(req.seed), jnp.float32(req.temperature),
-                                    jnp.int32(req.top_k), jnp.float32(req.top_p), max_len=self.max_len)
+                                    jnp.int32(req.top_k), jnp.float32(req.top_p), max_len=self.max_len,
+                                    chunk=dispatch.prefill_chunk(P, self.prefill_chunk))
         return StepOutput([int(np.asarray(first)[0])])
 
     def choose_width(self, slots: Sequence[int]) -> int:

@@ -34,6 +34,7 @@ from jdspark.sampling import SamplingParams, accept, process_logits, sample
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
 from kimi.model import check_token_ids, with_serving_layout
+from kimi.prefill import chunked_positions, prefill_chunked
 
 
 @jax.tree_util.register_dataclass
@@ -164,9 +165,17 @@ def serving_pair(target, drafter):
     return served, (drafter_serving_layout(drafter, target.config.serving_dtype) if drafter is not None else None)
 
 
+def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -> int:
+    """Cache positions a generation needs: the prompt as prefilled (P padded, or every chunk whole), then
+    max_new tokens and one verify block past the last (G drafts + the anchor):
+        S = (P or chunked_positions(P, C)) + max_new + G + 1"""
+    return (P if chunk is None else chunked_positions(P, chunk)) + max_new + G + 1
+
+
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
-                      t_state, d_state, prompt_1P, prompt_len, key, stream=None, media_MD=None):
-    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold, stream.
+                      t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None):
+    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold, stream,
+    chunk (the prefill's chunk size, None for one pass). ``media_MD``: image features merged in the prefill.
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
@@ -174,7 +183,18 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
                                    nnx.merge(d_graph, d_state) if d_graph is not None else None)
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
-    st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, P + max_new + G + 1, media_MD)
+    st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
+                                cache_positions(P, max_new, G, chunk), chunk, media_MD)
+    return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream)
+
+
+def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingParams, eos_id: int,
+                threshold: float = 0.0, stream=None):
+    """The generation after its prefill (``prefill_stream``'s Stream and first token): ``spec_step`` (or
+    ``plain_step`` without a drafter) in a ``lax.while_loop`` until EOS or ``max_new`` tokens, the first included.
+    Returns (out [max_new + G + 1] (the first n_out valid), n_out, GenStats). Usable inside jit; a benchmark jits
+    it alone to time and measure decoding apart from the prefill (scripts/bench_long.py)."""
+    G = drafter.config.block_size if drafter is not None else 0
     out = jnp.zeros((max_new + G + 1,), jnp.int32)
     st = _Loop(out=out, n_out=jnp.int32(0), stream=st0, done=jnp.bool_(False),
                stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
@@ -196,22 +216,40 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     return st.out, st.n_out, st.stats
 
 
-def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int, media_MD=None):
+def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
+                   chunk: Optional[int] = None, media_MD=None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
-    ``media_MD``, when given)."""
+    ``media_MD``, when given).
+
+    ``chunk`` (static; ``kimi.dispatch.prefill_chunk`` decides): None, one pass; C, ``kimi.prefill.prefill_chunked``
+    in chunks of C (the caches must hold ``chunked_positions(P, C)``), each chunk's taps appended to the drafter's
+    context inside the chunk loop, so the whole prompt's activations and taps never exist at once."""
+    if chunk is not None and media_MD is not None:
+        raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     cache = KimiCache.init(target.config, 1, max_len)
     valid = jnp.reshape(prompt_len, (1,)).astype(jnp.int32)
-    pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid, media_MD=media_MD)
+    dcache = drafter.init_cache(1, max_len) if drafter is not None else None
+    if chunk is None:
+        pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid,
+                             media_MD=media_MD)
+        last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
+        cache = pre.cache
+        if drafter is not None:
+            dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
+    else:
+        def to_drafter(dc, taps_1CX, v_1, start):
+            return drafter.append_context(dc, taps_1CX, v_1[0], start_pos=start)
+
+        last_1V, cache, dcache = prefill_chunked(target, prompt_1P, cache, chunk=chunk, tap_layers=taps,
+                                                 valid_len_B=valid,
+                                                 taps_fn=to_drafter if drafter is not None else None,
+                                                 taps_init=dcache)
+        last_logits = last_1V[0]
     k0, key = jax.random.split(key)
-    last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
     first = sample(k0, last_logits[None], sp)
-    dcache = None
-    if drafter is not None:
-        dcache = drafter.init_cache(1, max_len)
-        dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
-    return Stream(first, pre.cache, dcache, key), first
+    return Stream(first, cache, dcache, key), first
 
 
 def plain_step(target, st: Stream, sp: SamplingParams):
@@ -261,19 +299,25 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m, survival)
 
 
-_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11))
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11, 12))
 
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
-             prompt_bucket: int = 64, stream=None, images=None) -> GenerateOutput:
+             prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
+             max_len: Optional[int] = None, images=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
-    drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` so prompts of
-    the same padded length share one compiled program. EOS (default: the target's eos_token_id; -1 disables it)
-    ends the generation and is included in the output. ``stream(ids)`` receives the committed tokens step by
-    step (host callback: slower, for interactive display). A target and drafter placed on a mesh by
-    ``sharding.shard_model`` run the same program there."""
+    drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
+    size when chunked) so prompts of the same padded length share one compiled program. EOS (default: the
+    target's eos_token_id; -1 disables it) ends the generation and is included in the output. ``stream(ids)``
+    receives the committed tokens step by step (host callback: slower, for interactive display). A target and
+    drafter placed on a mesh by ``sharding.shard_model`` run the same program there.
+
+    ``prefill_chunk``: the prompt's prefill in chunks of that many tokens (0: one pass; None: as
+    ``kimi.dispatch.prefill_chunk`` decides for the prompt's length). The caches are sized by need
+    (``cache_positions``: the padded prompt + max_new_tokens + a block); ``max_len`` (optional) caps them, and a
+    request that needs more is a ValueError naming it."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -290,7 +334,16 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     if drafter is not None:
         check_target(drafter.config, target)
     eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
-    P = _bucket(len(ids), prompt_bucket)
+    if images is not None and prefill_chunk is None:
+        prefill_chunk = 0  # a prompt with images: one pass (prefill_stream says so if a chunk is asked for)
+    chunk = dispatch.prefill_chunk(len(ids), prefill_chunk)
+    P = _bucket(len(ids), prompt_bucket if chunk is None else chunk)
+    G = drafter.config.block_size if drafter is not None else 0
+    need = cache_positions(P, int(max_new_tokens), G, chunk)
+    if max_len is not None and need > max_len:
+        raise ValueError(f"max_len: the prompt ({len(ids)} tokens, padded to {P}) + max_new_tokens "
+                         f"({max_new_tokens}) + a verify block ({G + 1}) need a cache of {need} positions; the "
+                         f"limit is max_len={max_len}")
     padded = np.full((1, P), cfg.pad_token_id, np.int32)
     padded[0, :len(ids)] = ids
     prompt = target.partition.replicate(padded)
@@ -299,7 +352,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     media = None if images is None else target.partition.replicate(target.image_features(ids, images))
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
-                                      jax.random.key(seed), stream, media)
+                                      jax.random.key(seed), stream, chunk, media)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 

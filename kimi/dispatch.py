@@ -14,6 +14,7 @@ path has a test against its reference.
                   USED_UNROLL_MAX_EXPERTS, USED_LOOP_MAX_FRACTION (the serving copy's per-expert loop)
   serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
+  prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
 """
 
 from __future__ import annotations
@@ -119,3 +120,25 @@ BF16_ROWS_MIN = 2
 def bf16_rows(rows: int) -> int:
     """The rows a bf16 weight matmul of ``rows`` input rows runs with (padding rows are zeros, cut after)."""
     return max(rows, BF16_ROWS_MIN)
+
+
+# --------------------------------------------------------------------------------------------------- prefill
+# Prompts up to this many tokens are prefilled in one pass: its activations (MLA's T x T scores per head above all)
+# stay small, and one pass skips the chunk loop.
+PREFILL_ONE_PASS_MAX_TOKENS = 4096
+# Longer prompts go in chunks of this many tokens (kimi/prefill.py): peak memory is the caches plus one chunk's
+# activations (MLA scores C x S per head, S the cache length), the work the same as one pass.
+PREFILL_CHUNK_TOKENS = 1024
+
+
+def prefill_chunk(T: int, chunk: Optional[int] = None) -> Optional[int]:
+    """The chunk size a prefill of T prompt tokens runs with (None: one pass, ``model.forward(mode="prefill")``).
+
+    ``chunk``: the caller's choice (a ``--prefill-chunk`` flag): 0 forces one pass, a positive int chunks of that
+    size (one pass when the prompt fits one chunk); None: one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks
+    of PREFILL_CHUNK_TOKENS."""
+    if chunk is not None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"prefill_chunk: expected None or an int >= 0, got {chunk!r}")
+        return chunk if 0 < chunk < T else None
+    return PREFILL_CHUNK_TOKENS if T > PREFILL_ONE_PASS_MAX_TOKENS else None

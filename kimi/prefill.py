@@ -14,7 +14,7 @@ padded tail is written past the valid entries, masked, and would otherwise be cl
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +33,16 @@ def chunked_positions(T: int, chunk: int) -> int:
 
 
 def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layers: Sequence[int] = (),
-                    valid_len_B=None, all_logits: bool = False):
+                    valid_len_B=None, all_logits: bool = False, taps_fn: Optional[Callable] = None,
+                    taps_init=None):
     """Prefill ``tokens_BT`` (right-padded rows of ``valid_len_B`` tokens; all T when None) chunk by chunk.
 
     Returns ``(logits, cache, taps)``: logits [B, V] of each row's last valid token ([B, T, V] of every position
     with ``all_logits``), the cache after the prompt, and taps [B, T, n_taps * D] (None without tap layers).
+    With ``taps_fn`` the taps are consumed chunk by chunk instead of stacked (a drafter's context cache filled
+    as the prompt goes, so the whole prompt's taps never exist at once): ``carry = taps_fn(carry, taps_BCX,
+    valid_B, start)`` after each chunk (``valid_B`` of its C rows valid, ``start`` its first position), starting
+    from ``taps_init``; the third return is then the final carry.
     Usable inside jit; the chunk loop is a ``lax.scan``, so the program does not grow with T."""
     B, T = tokens_BT.shape
     n = chunked_positions(T, chunk) // chunk
@@ -53,22 +58,25 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
     V = model.config.vocab_size
 
     def step(carry, xs):
-        cache, last_BV = carry
+        cache, last_BV, user = carry
         toks_BC, start = xs
         v_B = jnp.clip(valid_B - start, 0, chunk)
         out = model.forward(toks_BC, cache, mode="prefill", tap_layers=tap_layers, valid_len_B=v_B)
         idx_B = jnp.clip(v_B - 1, 0, chunk - 1)
         here_BV = jnp.take_along_axis(out.logits, idx_B[:, None, None], axis=1)[:, 0]
         last_BV = jnp.where((v_B > 0)[:, None], here_BV, last_BV)
-        ys = (out.logits if all_logits else None, out.taps)
-        return (out.cache, last_BV), ys
+        if taps_fn is not None:
+            user = taps_fn(user, out.taps, v_B, start)
+        ys = (out.logits if all_logits else None, out.taps if taps_fn is None else None)
+        return (out.cache, last_BV, user), ys
 
-    (cache, last_BV), (logits_nBCV, taps_nBCX) = jax.lax.scan(
-        step, (cache, jnp.zeros((B, V), jnp.float32)), (toks_nBC, starts_n))
+    (cache, last_BV, user), (logits_nBCV, taps_nBCX) = jax.lax.scan(
+        step, (cache, jnp.zeros((B, V), jnp.float32), taps_init), (toks_nBC, starts_n))
 
     def unchunk(x_nBC_):
         if x_nBC_ is None:
             return None
         return jnp.moveaxis(x_nBC_, 0, 1).reshape((B, n * chunk) + x_nBC_.shape[3:])[:, :T]
 
-    return (unchunk(logits_nBCV) if all_logits else last_BV), cache, unchunk(taps_nBCX)
+    third = user if taps_fn is not None else unchunk(taps_nBCX)
+    return (unchunk(logits_nBCV) if all_logits else last_BV), cache, third

@@ -101,12 +101,16 @@ def main(argv=None) -> int:
                     "counts)")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=DEFAULT_SERVING_DTYPE,
                     help="the matmul weights' dtype (fp32 accumulation either way)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of N tokens (0: "
+                    "one pass; default: kimi.dispatch.prefill_chunk decides by the prompt's length)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if a.prompt is None and not a.demo:
         ap.error("give --prompt TEXT or --demo")
     if a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--max-new-tokens and --repeats must be >= 1")
+    if a.prefill_chunk is not None and a.prefill_chunk < 0:
+        ap.error("--prefill-chunk must be >= 0")
     prompt = DEMO_PROMPT if a.prompt is None else a.prompt
 
     target, drafter, note = load_pair(a.checkpoint, a.serving_dtype)
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-              seed=a.seed)
+              seed=a.seed, prefill_chunk=a.prefill_chunk)
 
     sys.stdout.write(prompt)
     sys.stdout.flush()

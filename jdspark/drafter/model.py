@@ -64,6 +64,27 @@ def concrete_int(x) -> Optional[int]:
     return None if v is None else int(v)
 
 
+def slot_positions(length, S: int, ring: bool):
+    """The context position each of a cache's S slots holds after ``length`` positions (negative: none yet).
+
+    Linear cache: slot s holds position s. Ring buffer (``context_window``): position p lives in slot p mod S, so
+    slot s holds the latest p < length with p = s (mod S):  p(s) = length - 1 - ((length - 1 - s) mod S)."""
+    s = jnp.arange(S, dtype=jnp.int32)
+    if not ring:
+        return s
+    n = jnp.asarray(length, jnp.int32) - 1
+    return n - jnp.mod(n - s, S)
+
+
+def ring_rows(N: int, S: int, n_valid):
+    """Which of N new rows a ring of S slots takes: the last min(N, S) up to n_valid (earlier ones would be
+    overwritten by later ones of the same append). Returns (first row r0 (traced), rows taken R = min(N, S));
+    rows r0 + i >= n_valid are dropped, so a ring never holds a position it has not committed."""
+    R = min(N, S)
+    r0 = jnp.clip(jnp.asarray(n_valid, jnp.int32) - R, 0, N - R) if N > R else jnp.int32(0)
+    return r0, R
+
+
 
 # ====================================================================== the drafter
 class DSparkDrafter(nnx.Module):
@@ -141,10 +162,19 @@ class DSparkDrafter(nnx.Module):
         return jnp.take(embed_VD, ids, axis=0).astype(self.dtype)
 
     # ------------------------------------------------------------------ decode cache
+    @property
+    def ring(self) -> bool:
+        """Whether the context cache is a ring buffer of ``config.context_window`` slots."""
+        return self.config.context_window is not None
+
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> DrafterCache:
+        """Context K/V for a stream of up to ``max_len`` positions: max_len slots, or with ``context_window`` W a
+        ring of min(W, max_len) slots (memory and the draft's attention stop growing with the context)."""
         cfg = self.config
         if batch_size <= 0 or max_len <= 0:
             raise ValueError(f"init_cache: batch_size and max_len must be positive, got {batch_size}, {max_len}")
+        if self.ring:
+            max_len = min(max_len, cfg.context_window)
         L, KVh, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
         dt = jnp.dtype(dtype) if dtype is not None else self.dtype
         return DrafterCache(jnp.zeros((L, batch_size, KVh, hd, max_len), dt),
@@ -154,7 +184,9 @@ class DSparkDrafter(nnx.Module):
         """Write context K/V of N (static) new positions at slots [length, length + N) and advance length by
         n_valid (traced OK). Rows >= n_valid are written but stay masked, and the next append overwrites them.
         RoPE positions are start_pos + i (default: the slot index, i.e. cache.length + i; [B] allowed).
-        The caller guarantees length + N <= max_len (checked here when the values are concrete)."""
+        The caller guarantees length + N <= max_len (checked here when the values are concrete).
+        Ring buffer (``context_window``): only the last min(N, S) valid rows are projected and written, position
+        p to slot p mod S (``ring_rows``); rows >= n_valid are dropped, and any length fits."""
         B, N, _ = taps_BNX.shape
         if B != cache.batch_size:
             raise ValueError(f"taps_BNX: batch {B} does not match the cache's batch {cache.batch_size}")
@@ -162,24 +194,37 @@ class DSparkDrafter(nnx.Module):
         cl, nv = concrete_int(length), concrete_int(n_valid)
         if nv is not None and not 0 <= nv <= N:
             raise ValueError(f"n_valid: expected 0..{N} (the number of rows passed), got {nv}")
-        if cl is not None and cl + N > cache.max_len:
+        if not self.ring and cl is not None and cl + N > cache.max_len:
             raise ValueError(f"append_context: {cl} cached + {N} new positions exceed the cache's max_len "
                              f"{cache.max_len}")
         if start_pos is None:
             start_pos = length
-        pos = jnp.asarray(start_pos, jnp.int32).reshape(-1, 1) + jnp.arange(N, dtype=jnp.int32)
-        pos = jnp.broadcast_to(pos, (B, N))
-        k, v = attention_layout(*self._context_kv(self.context(taps_BNX), pos))
         at = length.astype(jnp.int32)
-        k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (0, 0, 0, 0, at))
-        v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (0, 0, 0, at, 0))
-        return DrafterCache(k, v, (length + jnp.asarray(n_valid, jnp.int32)).astype(jnp.int32))
+        r0, R = ring_rows(N, cache.max_len, n_valid) if self.ring else (jnp.int32(0), N)
+        if R < N:
+            taps_BNX = jax.lax.dynamic_slice_in_dim(taps_BNX, r0, R, axis=1)
+        pos = jnp.asarray(start_pos, jnp.int32).reshape(-1, 1) + r0 + jnp.arange(R, dtype=jnp.int32)
+        pos = jnp.broadcast_to(pos, (B, R))
+        k, v = attention_layout(*self._context_kv(self.context(taps_BNX), pos))
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+        n_new = (length + jnp.asarray(n_valid, jnp.int32)).astype(jnp.int32)
+        if not self.ring:
+            k = jax.lax.dynamic_update_slice(cache.k, k, (0, 0, 0, 0, at))
+            v = jax.lax.dynamic_update_slice(cache.v, v, (0, 0, 0, at, 0))
+            return DrafterCache(k, v, n_new)
+        S = cache.max_len
+        rows = r0 + jnp.arange(R, dtype=jnp.int32)
+        slot = jnp.where(rows < jnp.asarray(n_valid, jnp.int32), jnp.mod(at + rows, S), S)  # S: dropped
+        k = cache.k.at[..., slot].set(k, mode="drop")
+        v = cache.v.at[:, :, :, slot, :].set(v, mode="drop")
+        return DrafterCache(k, v, n_new)
 
     def draft_logits(self, cache: DrafterCache, anchor_token_B, anchor_pos, embed_VD, lm_head_DV):
         """One parallel block pass. Returns (base_logits [B, G, Vd] fp32, hidden [B, G, D] after the final norm).
 
         Block = [anchor, MASK x (G-1)] at RoPE positions anchor_pos + k (scalar or [B]; None -> cache.length).
-        Context = cache slots < cache.length (and >= length - sliding_window for sliding layers)."""
+        Context = the positions p < cache.length the slots hold (``slot_positions``; and p >= length -
+        sliding_window for sliding layers): all of them, or the last ``context_window`` from a ring buffer."""
         cfg = self.config
         G = cfg.block_size
         anchor = jnp.asarray(anchor_token_B, jnp.int32).reshape(-1)
@@ -191,9 +236,9 @@ class DSparkDrafter(nnx.Module):
         ids = jnp.concatenate([anchor[:, None], jnp.full((B, G - 1), cfg.mask_token_id, jnp.int32)], axis=1)
         x = self._embed(ids, embed_VD)
         pos = jnp.broadcast_to(jnp.asarray(anchor_pos, jnp.int32).reshape(-1, 1) + jnp.arange(G), (B, G))
-        slots = jnp.arange(cache.max_len)
-        full = jnp.broadcast_to(slots < cache.length, (B, cache.max_len))
-        slide = full & (slots >= cache.length - (cfg.sliding_window or 0))
+        p_S = slot_positions(cache.length, cache.max_len, self.ring)
+        full = jnp.broadcast_to((p_S >= 0) & (p_S < cache.length), (B, cache.max_len))
+        slide = full & (p_S >= cache.length - (cfg.sliding_window or 0))
         hid = self._run_layers(x, pos, cache.k, cache.v, self._block_masks(full, slide))
         return self._logits(hid, lm_head_DV), hid
 
@@ -277,6 +322,8 @@ class DSparkDrafter(nnx.Module):
         t = jnp.arange(T)
         a_doc = doc_T[anchors]
         full = (t[None] < anchors[:, None]) & (doc_T[None] == a_doc[:, None]) & (a_doc != -1)[:, None]
+        if cfg.context_window is not None:  # what serving's ring buffer keeps: the last context_window positions
+            full = full & (t[None] >= anchors[:, None] - cfg.context_window)
         slide = full & (t[None] >= anchors[:, None] - (cfg.sliding_window or 0))
         hid = self._run_layers(x, blk_pos, k_ctx, v_ctx, self._block_masks(full, slide))
         base = self._logits(hid, lm_head_DV)
@@ -321,6 +368,16 @@ def check_target(cfg: DSparkConfig, target: Any) -> None:
 
 
 # ====================================================================== serving
+def with_context_window(drafter: DSparkDrafter, window: Optional[int]) -> DSparkDrafter:
+    """The same drafter (the same weight arrays) serving with ``context_window = window``: a ring buffer of the
+    last ``window`` context positions, or the whole context for None."""
+    cfg = drafter.config.replace(context_window=window)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0))))
+    out = nnx.merge(graphdef, nnx.state(drafter))
+    out.set_partitioner(drafter.partition)
+    return out
+
+
 def with_serving_layout(drafter: DSparkDrafter, serving_dtype: str = "float32") -> DSparkDrafter:
     """The drafter as a generation serves it, made once inside the generation's program (not once per step): the
     projections that read the same input side by side (``kimi.layers.project_many``: q|k|v and k|v of each layer's

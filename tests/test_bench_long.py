@@ -1,0 +1,59 @@
+"""scripts/bench_long.py on a tiny random pair at a short length: the JSON has every key the issue names, DSpark's
+tokens equal plain decoding's, the windowed drafter's cache holds the window only, the chart is written, and the
+prompts are the held-out files' tokens."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import bench_long  # noqa: E402
+
+import jdspark  # noqa: E402
+import kimi  # noqa: E402
+from kimi.tokenizer import ByteTokenizer  # noqa: E402
+
+KEYS = {"context", "plain_tok_s", "spec_tok_s", "speedup", "accept_len", "prefill_tok_s", "peak_rss_prefill_bytes",
+        "peak_rss_decode_bytes", "cache_bytes", "chunk_activation_bytes", "drafter_window"}
+
+
+@pytest.fixture(scope="module")
+def result():
+    cfg = kimi.KimiConfig.tiny()
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
+                                    rngs=nnx.Rngs(1))
+    return bench_long.run(target, drafter, ByteTokenizer(), lengths=(70,), windows=(16,), max_new=8,
+                          chunk_flag=32, repeats=1)
+
+
+def test_json_has_the_issue_keys(result):
+    rows = result["lengths"]
+    assert [(r["context"], r["drafter_window"]) for r in rows] == [(70, 16)]
+    r = rows[0]
+    assert KEYS <= set(r), KEYS - set(r)
+    assert r["lossless"] and r["new_tokens"] == 8 and r["prefill_chunk"] == 32
+    assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and 1.0 <= r["accept_len"] <= 5.0
+    assert r["peak_rss_prefill_bytes"] > 0 and r["peak_rss_decode_bytes"] > 0 and r["chunk_activation_bytes"] > 0
+    assert r["cache_bytes"] == r["target_cache_bytes"] + r["drafter_cache_bytes"]
+    dc = jdspark.DSparkConfig.for_target(kimi.KimiConfig.tiny(), block_size=4)
+    ring = 2 * 16 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * 4  # k and v, fp32, 16 slots
+    assert r["drafter_cache_bytes"] == ring + 4  # + the int32 length
+
+
+def test_plot(result, tmp_path):
+    out = tmp_path / "long.png"
+    bench_long.plot(result, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_long_prompt_is_held_out_text():
+    tok = ByteTokenizer()
+    prompt, cont, held = bench_long.long_prompt(tok, 3000, 64)
+    assert prompt.shape == (3000,) and cont.shape == (64,) and prompt[0] == tok.bos_id and held == 1.0
+    text = bytes(prompt[1:].astype(np.uint8))
+    assert text.startswith(b"# file: ") and text.count(b"# file: ") >= 1
