@@ -196,8 +196,8 @@ class KimiForCausalLM(nnx.Module):
             taps[L] = h
         logits = self.logits_from_hidden(h)
 
-        def stack(xs, like):
-            return jnp.stack(xs) if xs else like
+        def stack(xs, like):  # the cache keeps its own dtype (a bf16 model computes some states in fp32)
+            return jnp.stack(xs).astype(like.dtype) if xs else like
 
         new_cache = KimiCache(
             kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
