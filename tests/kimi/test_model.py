@@ -158,3 +158,16 @@ def test_padded_prefill_equals_unpadded(setup):
     a = m.decode(tok[:, n], out.cache).logits
     b = m.decode(tok[:, n], ref.cache).logits
     np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_bf16_model_keeps_its_cache_dtypes_through_every_mode():
+    """A bf16 model's prefill, decode and verify return caches of the dtypes they were given (a loop carries the
+    cache: generate's while_loop needs equal types in and out)."""
+    cfg = kimi.KimiConfig.tiny(param_dtype="bfloat16")
+    m = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    cache = m.init_cache(1, 16)
+    want = jax.tree.map(lambda a: a.dtype, cache)
+    ids = np.array([[1, 5, 7, 9]], np.int32)
+    for mode, toks in (("prefill", ids), ("decode", ids[:, :1]), ("verify", ids[:, :3])):
+        cache = m.forward(toks, cache, mode=mode).cache
+        assert jax.tree.map(lambda a: a.dtype, cache) == want, mode
