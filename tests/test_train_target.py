@@ -100,10 +100,12 @@ def test_experts_blocked_matches_grouped(T, E, block):
     def f(fn, **kw):
         return lambda *a: (fn(a[0], w, idx, *a[1:], *act, **kw) ** 2).sum()
 
-    np.testing.assert_allclose(moe_ops.experts_blocked(x, w, idx, w1, w3, w2, *act, block=block),
-                               moe_ops.experts_grouped(x, w, idx, w1, w3, w2, *act), rtol=1e-5, atol=1e-5)
-    ga = jax.grad(f(moe_ops.experts_grouped), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
-    gb = jax.grad(f(moe_ops.experts_blocked, block=block), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
+    # jitted (as in training): op-by-op eager dispatch cost more than compiling each program once
+    blocked = jax.jit(lambda *a: moe_ops.experts_blocked(*a, *act, block=block))
+    grouped = jax.jit(lambda *a: moe_ops.experts_grouped(*a, *act))
+    np.testing.assert_allclose(blocked(x, w, idx, w1, w3, w2), grouped(x, w, idx, w1, w3, w2), rtol=1e-5, atol=1e-5)
+    ga = jax.jit(jax.grad(f(moe_ops.experts_grouped), argnums=(0, 1, 2, 3)))(x, w1, w3, w2)
+    gb = jax.jit(jax.grad(f(moe_ops.experts_blocked, block=block), argnums=(0, 1, 2, 3)))(x, w1, w3, w2)
     for a, b in zip(ga, gb):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
