@@ -12,7 +12,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-jax.config.update("jax_compilation_cache_dir", os.path.join(_ROOT, ".jax_cache"))
+# JAX_COMPILATION_CACHE_DIR overrides the tree's .jax_cache (e.g. an empty dir to time a cold run). Concurrent
+# pytest-xdist workers share the cache safely: entries are written atomically.
+_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(_ROOT, ".jax_cache")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -54,16 +54,24 @@ def _tiny_batch(seed=0, B=2, T=33):
     return jnp.asarray(tok), jnp.asarray(doc)
 
 
-def test_gradients_reach_experts_and_router_bias_is_frozen():
+@pytest.fixture(scope="module")
+def tiny_loss_and_grads():
+    """The tiny preset's loss_fn on _tiny_batch: ((loss, (n_scored, n_correct)), grads), one jitted program (op by
+    op eager autodiff of the whole model took ~90 s on CPU)."""
     cfg = tt.model_config("tiny")
     graphdef, params, frozen = tt.split_model(tt.build_model(cfg))
+    tok, doc = _tiny_batch()
+    out = jax.jit(jax.value_and_grad(lambda p: tt.loss_fn(p, frozen, tok, doc, graphdef=graphdef), has_aux=True))(
+        params)
+    return cfg, params, frozen, out
+
+
+def test_gradients_reach_experts_and_router_bias_is_frozen(tiny_loss_and_grads):
+    cfg, params, frozen, (_, g) = tiny_loss_and_grads
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     frozen_names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(frozen)[0]]
     assert not any("e_score_correction_bias" in n for n in names)
     assert frozen_names and all("e_score_correction_bias" in n for n in frozen_names)
-    tok, doc = _tiny_batch()
-
-    g = jax.grad(lambda p: tt.loss_fn(p, frozen, tok, doc, graphdef=graphdef)[0])(params)
     flat = dict(zip(names, jax.tree.leaves(g)))
     experts = [n for n in flat if "experts']['w" in n]
     gates = [n for n in flat if "gate']['weight" in n]
@@ -74,11 +82,8 @@ def test_gradients_reach_experts_and_router_bias_is_frozen():
         assert float(jnp.abs(flat[n]).max()) > 0, n
 
 
-def test_loss_skips_document_boundaries():
-    cfg = tt.model_config("tiny")
-    graphdef, params, frozen = tt.split_model(tt.build_model(cfg))
-    tok, doc = _tiny_batch()
-    _, (n, _) = tt.loss_fn(params, frozen, tok, doc, graphdef=graphdef)
+def test_loss_skips_document_boundaries(tiny_loss_and_grads):
+    (_, (n, _)), _ = tiny_loss_and_grads[3]
     assert int(n) == 2 * 32 - 1  # the EOS -> BOS transition is not scored
 
 
@@ -95,10 +100,12 @@ def test_experts_blocked_matches_grouped(T, E, block):
     def f(fn, **kw):
         return lambda *a: (fn(a[0], w, idx, *a[1:], *act, **kw) ** 2).sum()
 
-    np.testing.assert_allclose(moe_ops.experts_blocked(x, w, idx, w1, w3, w2, *act, block=block),
-                               moe_ops.experts_grouped(x, w, idx, w1, w3, w2, *act), rtol=1e-5, atol=1e-5)
-    ga = jax.grad(f(moe_ops.experts_grouped), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
-    gb = jax.grad(f(moe_ops.experts_blocked, block=block), argnums=(0, 1, 2, 3))(x, w1, w3, w2)
+    # jitted (as in training): op-by-op eager dispatch cost more than compiling each program once
+    blocked = jax.jit(lambda *a: moe_ops.experts_blocked(*a, *act, block=block))
+    grouped = jax.jit(lambda *a: moe_ops.experts_grouped(*a, *act))
+    np.testing.assert_allclose(blocked(x, w, idx, w1, w3, w2), grouped(x, w, idx, w1, w3, w2), rtol=1e-5, atol=1e-5)
+    ga = jax.jit(jax.grad(f(moe_ops.experts_grouped), argnums=(0, 1, 2, 3)))(x, w1, w3, w2)
+    gb = jax.jit(jax.grad(f(moe_ops.experts_blocked, block=block), argnums=(0, 1, 2, 3)))(x, w1, w3, w2)
     for a, b in zip(ga, gb):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 

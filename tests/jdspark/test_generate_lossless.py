@@ -84,8 +84,11 @@ def test_eos_inside_an_accepted_block_stream_and_first_token(small):
     idx, step = _eos_inside_a_block(ref[:N], want)
     eos = int(ref[idx])
     chunks = []
-    out = jdspark.generate(target, drafter, prompt, max_new_tokens=N, eos_token_id=eos,
-                           stream=lambda ids: chunks.append(np.array(ids)))
+
+    def stream(ids):  # one function object for both drafted calls below: stream is static, so one program
+        chunks.append(np.array(ids))
+
+    out = jdspark.generate(target, drafter, prompt, max_new_tokens=N, eos_token_id=eos, stream=stream)
     np.testing.assert_array_equal(out.tokens, ref[:idx + 1])  # stopped at EOS, EOS kept, the rest dropped
     trunc = dataclasses.replace(want, lengths=want.lengths[:step + 1], verified=want.verified[:step + 1])
     assert_histogram(out.stats, trunc, "small greedy, EOS inside a block")
@@ -98,10 +101,12 @@ def test_eos_inside_an_accepted_block_stream_and_first_token(small):
     plain = jdspark.generate(target, None, prompt, max_new_tokens=N, eos_token_id=eos)
     np.testing.assert_array_equal(plain.tokens, ref[:idx + 1])
     # EOS as the first token: the prompt extended by the tokens before it (same padded length, same positions,
-    # same program): the prefill's token is EOS, no step runs
+    # same program): the prefill's token is EOS, no step runs, the stream gets just it
+    n_chunks = len(chunks)
     first = jdspark.generate(target, drafter, np.concatenate([prompt, ref[:idx]]), max_new_tokens=N,
-                             eos_token_id=eos)
+                             eos_token_id=eos, stream=stream)
     assert first.tokens.tolist() == [eos] and int(first.stats.target_steps) == 0
+    assert [c.tolist() for c in chunks[n_chunks:]] == [[eos]]
 
 
 def test_eos_under_sampling_cuts_the_same_draws(small):

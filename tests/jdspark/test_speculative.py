@@ -117,11 +117,22 @@ def test_bad_input(tiny_cfg):
         speculative.generate(target, None, [1, 2], temperature=1.0, top_p=0.0)
 
 
-def test_serving_layout_matches_the_checkpoint_model():
-    """The serving copy (MXFP4 unpacked, fused layouts) gives the same logits up to float summation order, and
-    the same greedy tokens, with and without the drafter."""
+@pytest.fixture(scope="module")
+def mxfp4_target():
+    """A tiny MXFP4 target, a prompt and the checkpoint model's own prefill logits on it (packed experts, no
+    serving copy; the cache greedy_reference(.., 32 + 4 + 1) uses, so that prefill program is compiled once)."""
     cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64)
     target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
+    toks = np.arange(3, 12, dtype=np.int32)[None]
+    logits = target.prefill(toks, target.init_cache(1, toks.shape[1] + 32 + 4 + 2)).logits
+    return target, toks, logits
+
+
+def test_serving_layout_matches_the_checkpoint_model(mxfp4_target):
+    """The serving copy (MXFP4 unpacked, fused layouts) gives the same logits up to float summation order, and
+    the same greedy tokens, with and without the drafter."""
+    target, toks, logits = mxfp4_target
+    cfg = target.config
     assert kimi.dispatch.serving_copy(target.config, sharded=False)
     dense = kimi.model.with_serving_layout(target)
     assert dense.config.expert_format == "dense"
@@ -129,9 +140,7 @@ def test_serving_layout_matches_the_checkpoint_model():
     assert isinstance(ex.all_w13_D2EF, kimi.layers.ServingLayout)
     assert isinstance(ex.used_w13_D2F_0, kimi.layers.ServingLayout)  # per expert, an array of its own
     assert len(ex.used_layout()[0]) == cfg.num_experts
-    toks = np.arange(3, 12, dtype=np.int32)[None]
-    np.testing.assert_allclose(target.prefill(toks, target.init_cache(1, 16)).logits,
-                               dense.prefill(toks, dense.init_cache(1, 16)).logits, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(logits, dense.prefill(toks, dense.init_cache(1, 16)).logits, atol=2e-6, rtol=0)
     # generate serves from the copy it makes itself: its tokens (plain, and DSpark with every accepted length)
     # must equal the checkpoint model's own step decoding (packed experts, no copy, no generate loop)
     ref = greedy_reference(target, toks[0], 32 + 4 + 1)
@@ -143,20 +152,18 @@ def test_serving_layout_matches_the_checkpoint_model():
     assert_histogram(sp.stats, want, "serving copy")
 
 
-def test_bf16_serving_is_lossless_and_close_to_fp32():
+def test_bf16_serving_is_lossless_and_close_to_fp32(mxfp4_target):
     """serving_dtype bfloat16: the serving copy's matmul weights in bf16 (target and drafter). Greedy DSpark equals
     plain decoding of the same bf16 serving token for token (decode pads its row, verify runs 8: the same
     rounding points); the bf16 serving logits stay within bf16 rounding of the fp32 model's."""
-    cfg = kimi.KimiConfig.tiny(expert_format="mxfp4", moe_intermediate_size=32, routed_expert_hidden_size=64,
-                               serving_dtype="bfloat16")
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
+    fp32, toks, ref = mxfp4_target  # serving_dtype changes only the serving copy: ref is this target's logits too
+    target = kimi.model.abstract_model(fp32.config.replace(serving_dtype="bfloat16"))
+    nnx.update(target, nnx.state(fp32))  # the same weights
     served = kimi.model.with_serving_layout(target)
     lin = served.model.layers[1].block_sparse_moe.routed_expert_down_proj
     assert lin.kernel[...].dtype == jnp.bfloat16
     assert served.model.layers[1].block_sparse_moe.experts.used_layout()[0][0].dtype == jnp.bfloat16
     assert served.model.embed_tokens.embedding[...].dtype == jnp.float32
-    toks = np.arange(3, 12, dtype=np.int32)[None]
-    ref = target.prefill(toks, target.init_cache(1, 16)).logits
     got = served.prefill(toks, served.init_cache(1, 16)).logits
     err = float(jnp.max(jnp.abs(got - ref)))
     assert 0 < err < 0.05 * float(jnp.max(jnp.abs(ref)))  # changed (bf16 really used), but only by rounding

@@ -23,15 +23,17 @@ def test_mla_absorbed_equals_unabsorbed():
     a = mla.mla_attend_absorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, length + T, V)
     u = mla.mla_attend_unabsorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, length + T, V)
     np.testing.assert_allclose(a, u, atol=1e-5)
-    # against an explicit per-head softmax attention
-    k_nope = jnp.einsum("bsl,lhn->bshn", ckv, w_kvb.reshape(L, H, N + V)[..., :N])
-    v = jnp.einsum("bsl,lhv->bshv", ckv, w_kvb.reshape(L, H, N + V)[..., N:])
+    # against an explicit per-head softmax attention, in float64 NumPy (JAX op by op compiled every slice shape)
+    q_nope, q_pe, ckv, kpe, w_kvb, q_pos = (np.asarray(x, np.float64) for x in (q_nope, q_pe, ckv, kpe, w_kvb, q_pos))
+    k_nope = np.einsum("bsl,lhn->bshn", ckv, w_kvb.reshape(L, H, N + V)[..., :N])
+    v = np.einsum("bsl,lhv->bshv", ckv, w_kvb.reshape(L, H, N + V)[..., N:])
     for b in range(B):
         for t in range(T):
             n_vis = int(q_pos[b, t]) + 1
             for h in range(H):
                 lg = (k_nope[b, :n_vis, h] @ q_nope[b, t, h] + kpe[b, :n_vis] @ q_pe[b, t, h]) / np.sqrt(N + R)
-                o = jax.nn.softmax(lg) @ v[b, :n_vis, h]
+                p = np.exp(lg - lg.max())
+                o = (p / p.sum()) @ v[b, :n_vis, h]
                 np.testing.assert_allclose(a[b, t, h], o, atol=1e-5)
 
 

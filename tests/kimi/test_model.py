@@ -54,58 +54,76 @@ def test_decode_matches_prefill(setup):
     np.testing.assert_array_equal(cache.length, pre.cache.length)
 
 
-def test_verify_after_prefill_matches_longer_prefill(setup):
+P_VERIFY = 6  # verify tok[:, P_VERIFY:] after prefilling tok[:, :P_VERIFY]: the fixture's prefill is the longer one
+
+
+def _step_decoded(m, cache, tokens_BT):
+    """Copies of the cache after step-decoding 0, 1, .., T of ``tokens_BT`` from ``cache`` (which is donated): the
+    reference for verify's per-position states, by another code path (decode == prefill: test_decode_matches_
+    prefill), compiled once for every length."""
+    caches = [jax.tree.map(jnp.copy, cache)]
+    for t in range(tokens_BT.shape[1]):
+        cache = m.decode(tokens_BT[:, t], cache).cache
+        caches.append(jax.tree.map(jnp.copy, cache))
+    return caches
+
+
+@pytest.fixture(scope="module")
+def verified(setup):
+    """(step-decoded caches after the first P_VERIFY tokens + k more, k = 0..T_PROMPT - P_VERIFY; verify of the
+    remaining tokens after them with tap 2). Shared: one prefill and one verify program for the tests below."""
     cfg, m, tok, pre = setup
-    extra = _tokens(cfg, 2, 5, seed=7)
-    p = 6
-    first = m.prefill(tok[:, :p], m.init_cache(2, 32))
-    ver = m.verify(extra, first.cache, tap_layers=(2,))
-    full = m.prefill(np.concatenate([tok[:, :p], extra], 1), m.init_cache(2, 32), tap_layers=(2,))
-    np.testing.assert_allclose(ver.logits, full.logits[:, p:], atol=1e-4)
-    np.testing.assert_allclose(ver.taps, full.taps[:, p:], atol=1e-4)
+    first = m.prefill(tok[:, :P_VERIFY], m.init_cache(2, 32))
+    steps = _step_decoded(m, jax.tree.map(jnp.copy, first.cache), tok[:, P_VERIFY:])
+    return steps, m.verify(tok[:, P_VERIFY:], first.cache, tap_layers=(2,))
+
+
+def test_verify_after_prefill_matches_longer_prefill(setup, verified):
+    cfg, m, tok, pre = setup
+    steps, ver = verified
+    p, D, extra = P_VERIFY, cfg.hidden_size, tok[:, P_VERIFY:]
+    np.testing.assert_allclose(ver.logits, pre.logits[:, p:], atol=1e-4)
+    np.testing.assert_allclose(ver.taps, pre.taps[:, p:, D:2 * D], atol=1e-4)  # pre's taps: layers (0, 2, L)
     assert isinstance(ver.kda_rollback, kimi.ops.kda.KDABlockTrace)  # a short verify: the closed-form block
     assert ver.kda_rollback.k_BTHK.shape[:3] == (cfg.num_kda_layers, 2, 5)
-    np.testing.assert_allclose(ver.cache.kda_state, full.cache.kda_state, atol=1e-5)
-    # the state verify reports at accepted length k equals prefilling prompt + k tokens
+    np.testing.assert_allclose(ver.cache.kda_state, pre.cache.kda_state, atol=1e-5)
+    # the state verify reports at accepted length k equals processing prompt + k tokens
     for k in (1, 3, 5):
-        ref = m.prefill(np.concatenate([tok[:, :p], extra[:, :k]], 1), m.init_cache(2, 32))
+        ref = steps[k]
         before = np.full((2,), p, np.int32)
         rolled = kimi.KimiForCausalLM.rollback(ver, before, np.full((2,), k, np.int32))
-        np.testing.assert_allclose(rolled.kda_state, ref.cache.kda_state, atol=1e-5)
-        np.testing.assert_allclose(rolled.conv_state, ref.cache.conv_state, atol=1e-6)
-        np.testing.assert_array_equal(rolled.length, ref.cache.length)
-        # decoding after the rollback continues exactly like decoding after the longer prefill
+        np.testing.assert_allclose(rolled.kda_state, ref.kda_state, atol=1e-5)
+        np.testing.assert_allclose(rolled.conv_state, ref.conv_state, atol=1e-6)
+        np.testing.assert_array_equal(rolled.length, ref.length)
+        # decoding after the rollback continues exactly like decoding after the longer context
         nxt = extra[:, 0]
         a = m.decode(nxt, jax.tree.map(jnp.copy, rolled)).logits  # decode donates its cache: keep ver's intact
-        b = m.decode(nxt, ref.cache).logits
+        b = m.decode(nxt, jax.tree.map(jnp.copy, ref)).logits
         np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-def test_long_verify_keeps_per_position_states(setup):
+def test_long_verify_keeps_per_position_states(setup, verified):
     """Past kda_verify_form's block limit verify scans tokens and keeps every state; rollback picks one."""
     cfg, m, tok, pre = setup
     T = kimi.dispatch.KDA_BLOCK_MAX_TOKENS + 2
-    first = m.prefill(tok[:, :3], m.init_cache(2, 32))
+    first = verified[0][0]  # after P_VERIFY tokens
     extra = _tokens(cfg, 2, T, seed=9)
-    ver = m.verify(extra, first.cache)
-    assert ver.kda_rollback.shape[:3] == (cfg.num_kda_layers, 2, T)
     k = T - 1
-    rolled = kimi.KimiForCausalLM.rollback(ver, np.full((2,), 3, np.int32), np.full((2,), k, np.int32))
-    ref = m.prefill(np.concatenate([tok[:, :3], extra[:, :k]], 1), m.init_cache(2, 32))
-    np.testing.assert_allclose(rolled.kda_state, ref.cache.kda_state, atol=1e-5)
+    ref = _step_decoded(m, jax.tree.map(jnp.copy, first), extra[:, :k])[k]
+    ver = m.verify(extra, jax.tree.map(jnp.copy, first))
+    assert ver.kda_rollback.shape[:3] == (cfg.num_kda_layers, 2, T)
+    rolled = kimi.KimiForCausalLM.rollback(ver, np.full((2,), P_VERIFY, np.int32), np.full((2,), k, np.int32))
+    np.testing.assert_allclose(rolled.kda_state, ref.kda_state, atol=1e-5)
 
 
-def test_rollback_per_row(setup):
+def test_rollback_per_row(setup, verified):
     cfg, m, tok, pre = setup
-    first = m.prefill(tok[:, :4], m.init_cache(2, 32))
-    extra = _tokens(cfg, 2, 4, seed=3)
-    ver = m.verify(extra, first.cache)
+    steps, ver = verified
     n_keep = np.array([1, 3], np.int32)
-    rolled = kimi.KimiForCausalLM.rollback(ver, np.array([4, 4], np.int32), n_keep)
+    rolled = kimi.KimiForCausalLM.rollback(ver, np.full((2,), P_VERIFY, np.int32), n_keep)
     for b in range(2):
-        ref = m.prefill(np.concatenate([tok[b:b + 1, :4], extra[b:b + 1, :n_keep[b]]], 1), m.init_cache(1, 32))
-        np.testing.assert_allclose(rolled.kda_state[:, b], ref.cache.kda_state[:, 0], atol=1e-5)
-    np.testing.assert_array_equal(rolled.length, [5, 7])
+        np.testing.assert_allclose(rolled.kda_state[:, b], steps[n_keep[b]].kda_state[:, b], atol=1e-5)
+    np.testing.assert_array_equal(rolled.length, P_VERIFY + n_keep)
 
 
 def test_taps_are_layer_inputs(setup):
@@ -145,7 +163,7 @@ def test_bad_input_is_a_clear_error(setup):
 
 def test_padded_prefill_equals_unpadded(setup):
     cfg, m, tok, pre = setup
-    n = 7
+    n = P_VERIFY  # the prefill length compiled above
     padded = np.concatenate([tok[:, :n], np.full((2, T_PROMPT - n), cfg.pad_token_id, np.int32)], 1)
     gd, st = nnx.split(m)
     out = jax.jit(lambda s, t, c: nnx.merge(gd, s).forward(t, c, mode="prefill", valid_len_B=jnp.array([n, n])))(

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import torch  # noqa: E402  (a missing parity dependency fails the run: tests/conftest.py)
@@ -130,7 +131,7 @@ def test_transformers_loads_what_we_save(pair, tmp_path):
 
 def test_parity_script_self_test():
     """The acceptance line: ``python scripts/parity.py --self-test --json``."""
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),  # as tests/conftest.py
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,  # tests/conftest.py's
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
     proc = subprocess.run([sys.executable, SCRIPT, "--self-test", "--json"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env=env)

@@ -19,7 +19,7 @@ def test_two_processes_form_one_mesh_and_match_single_process(tmp_path):
     out = str(tmp_path / "result.npz")
     coordinator = f"127.0.0.1:{distributed.free_port()}"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=os.path.join(ROOT, ".jax_cache"),
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
     procs = [subprocess.Popen([sys.executable, multihost_worker.__file__, coordinator, "2", str(i), out], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
