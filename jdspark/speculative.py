@@ -113,11 +113,11 @@ def _bucket(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
 
-def _emit(st: _Loop, new_K, n_new, eos_id: int, max_new: int, stream=None):
+def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
     """Append the first n_new of new_K to the output; stop at EOS (kept) or max_new."""
     K = new_K.shape[0]
     out = jax.lax.dynamic_update_slice(st.out, new_K, (st.n_out,))
-    is_eos = (new_K == eos_id) & (jnp.arange(K) < n_new) if eos_id >= 0 else jnp.zeros((K,), bool)
+    is_eos = (new_K == eos_id) & (jnp.arange(K) < n_new) & (eos_id >= 0)  # eos_id traced: -1 never stops
     first_eos = jnp.argmax(is_eos)
     hit = is_eos.any()
     n_take = jnp.where(hit, first_eos + 1, n_new)
@@ -174,8 +174,9 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None):
-    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, eos, threshold, stream,
-    chunk (the prefill's chunk size, None for one pass). ``media_MD``: image features merged in the prefill.
+    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, threshold, stream,
+    chunk (the prefill's chunk size, None for one pass); traced: ``eos_id`` (-1: none), ``media_MD`` (image
+    features merged in the prefill).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
@@ -299,7 +300,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m, survival)
 
 
-_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 4, 5, 11, 12))
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12))  # eos_id traced: one program
 
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
@@ -350,7 +351,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     t_graph, t_state = nnx.split(target)
     d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
     media = None if images is None else target.partition.replicate(target.image_features(ids, images))
-    out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, eos, float(confidence_threshold),
+    out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
+                                      float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
                                       jax.random.key(seed), stream, chunk, media)
     n = int(n_out)
