@@ -60,6 +60,27 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
     return v
 
 
+def _message_text(m: dict, i: int):
+    """A message's content as text: a string, or OpenAI content parts (``{"type": "text", "text": ...}`` joined in
+    order). An ``image_url`` part is refused by name: this engine serves text prompts (a checkpoint's vision tower
+    is used by ``jdspark.generate(images=...)``, not by the slots yet)."""
+    c = m.get("content")
+    if not isinstance(c, list):
+        return c
+    out = []
+    for j, part in enumerate(c):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append(part["text"])
+        elif kind in ("image_url", "input_image", "image"):
+            raise ApiError(400, f"messages[{i}].content[{j}]: image input is not served by this server (the serving "
+                           "engine takes text prompts; the checkpoint's vision tower, if any, is used by "
+                           "jdspark.generate(images=...))", "messages", code="unsupported_content")
+        else:
+            raise ApiError(400, f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}", "messages")
+    return "".join(out)
+
+
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive")) -> tuple:
@@ -74,6 +95,8 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
+        msgs = [{"role": m["role"], "content": _message_text(m, i)} if isinstance(m, dict) else m
+                for i, m in enumerate(msgs)]
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
