@@ -85,6 +85,28 @@ class _Streamer:
         sys.stdout.write(self.dec.flush())
 
 
+def with_images(ids, paths, cfg, ckpt):
+    """(prompt ids with one expanded placeholder per image after BOS, the preprocessed images)."""
+    if cfg.vision is None:
+        raise SystemExit(f"--image: the checkpoint {ckpt} is text-only (its config has no vision_config)")
+    from PIL import Image
+
+    from kimi import image as image_lib
+
+    frames = []
+    for p in paths:
+        try:
+            with Image.open(p) as im:
+                frames.append(np.asarray(im.convert("RGB")))
+        except OSError as e:
+            raise SystemExit(f"--image {p}: not a readable image ({e})")
+    vin = image_lib.preprocess(frames, cfg.vision)
+    ids = [int(t) for t in ids]
+    ph = [cfg.vision.media_placeholder_token_id] * len(paths)
+    ids = ids[:1] + ph + ids[1:] if ids and ids[0] == cfg.bos_token_id else ph + ids
+    return np.array(image_lib.expand_placeholders(ids, vin.grid_thw, cfg.vision), np.int32), vin
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", help="prompt text")
@@ -103,6 +125,9 @@ def main(argv=None) -> int:
                     help="the matmul weights' dtype (fp32 accumulation either way)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="prefill the prompt in chunks of N tokens (0: "
                     "one pass; default: kimi.dispatch.prefill_chunk decides by the prompt's length)")
+    ap.add_argument("--image", action="append", default=[], metavar="PATH",
+                    help="an image for a checkpoint with a vision tower (repeatable): one placeholder per image "
+                         "after BOS, expanded to its merged patches")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if a.prompt is None and not a.demo:

@@ -207,3 +207,29 @@ def test_bad_input_is_a_clear_error(vlm):
         text_only.prefill(prompt[None], text_only.init_cache(1, 64), images=vin)
     with pytest.raises(ValueError, match="text-only"):
         jdspark.generate(text_only, None, prompt, max_new_tokens=2, images=vin)
+
+
+def test_generate_script_image_prompt(vlm, tmp_path):
+    """scripts/generate.py --image: PNG files read, one placeholder per image after BOS expanded to the image's
+    merged patches (the count prefill checks); a text-only checkpoint is refused by name."""
+    import os
+    import sys
+
+    from PIL import Image
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    import generate as gen
+
+    model, vin, _ = vlm
+    rng = np.random.default_rng(4)
+    paths = []
+    for i, shape in enumerate([(16, 20, 3), (9, 17, 3)]):
+        paths.append(str(tmp_path / f"im{i}.png"))
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(paths[-1])
+    ids, got = gen.with_images(np.array([1, 7, 9]), paths, model.config, "vlm")
+    np.testing.assert_array_equal(got.pixel_values, vin.pixel_values)  # PNG is lossless: the fixture's images
+    ph = model.config.vision.media_placeholder_token_id
+    assert ids[0] == 1 and list(ids[-2:]) == [7, 9] and (ids == ph).sum() == 12
+    model.image_features(ids, got)  # the placeholder count matches the features
+    with pytest.raises(SystemExit, match="text-only"):
+        gen.with_images(np.array([1, 7]), paths, kimi.KimiConfig.tiny(), "ck")
