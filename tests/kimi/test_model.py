@@ -186,6 +186,7 @@ def test_bf16_model_keeps_its_cache_dtypes_through_every_mode():
     cache = m.init_cache(1, 16)
     want = jax.tree.map(lambda a: a.dtype, cache)
     ids = np.array([[1, 5, 7, 9]], np.int32)
-    for mode, toks in (("prefill", ids), ("decode", ids[:, :1]), ("verify", ids[:, :3])):
-        cache = m.forward(toks, cache, mode=mode).cache
+    for mode, run in (("prefill", lambda c: m.prefill(ids, c)), ("decode", lambda c: m.decode(ids[:, 0], c)),
+                      ("verify", lambda c: m.verify(ids[:, :3], c))):
+        cache = run(cache).cache  # the jitted entry points (eager forward compiles op by op: slow)
         assert jax.tree.map(lambda a: a.dtype, cache) == want, mode
