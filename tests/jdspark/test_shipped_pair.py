@@ -32,17 +32,26 @@ def test_shipped_pair_loads_and_fits(pair):
 
 
 def test_shipped_pair_greedy_dspark_equals_plain_on_held_out_prompts(pair):
+    """20 held-out prompts (one padded length: one compiled program per mode), 40 new tokens each: DSpark's greedy
+    output equals plain decoding's token for token, with steps that accepted every length from none to the whole
+    block among them (so both the accept and the reject paths ran)."""
     target, drafter = pair
     G = drafter.config.block_size
     docs = jdata.read_documents(jdata.list_files(None, "val"))
-    prompts = jdata.prompts_from_documents(docs, 2, 48, seed=11)
+    tok = kimi.load_tokenizer(os.path.join(PAIR, "target"), vocab_size=target.config.vocab_size)
+    prompts = jdata.prompts_from_documents(docs, 20, 48, seed=11, tokenizer=tok)
     steps = accepted = 0
+    counts = np.zeros(G, np.int64)
     for p in prompts:
-        ar = jdspark.generate(target, None, p, max_new_tokens=64, eos_token_id=-1)
-        sp = jdspark.generate(target, drafter, p, max_new_tokens=64, eos_token_id=-1)
+        ar = jdspark.generate(target, None, p, max_new_tokens=40, eos_token_id=-1)
+        sp = jdspark.generate(target, drafter, p, max_new_tokens=40, eos_token_id=-1)
         np.testing.assert_array_equal(sp.tokens, ar.tokens)
         steps += int(sp.stats.target_steps)
         accepted += int(sp.stats.accepted)
+        counts += np.asarray(sp.stats.accept_counts)
     accept_len = (accepted + steps) / steps
-    print(f"shipped pair: {accept_len:.2f} tokens per target step on held-out prompts (block {G})")
+    hist = np.append(steps - counts[0], np.append(-np.diff(counts), counts[-1]))  # steps with 0..G accepted
+    print(f"shipped pair: {accept_len:.2f} tokens per target step on 20 held-out prompts (block {G}); "
+          f"steps with 0..{G} drafts accepted: {hist.tolist()}")
     assert 1.0 < accept_len < G + 1
+    assert hist[0] > 0 and hist[-1] > 0 and (hist > 0).sum() >= G // 2 + 1, hist
