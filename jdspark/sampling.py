@@ -94,15 +94,20 @@ def _top_p(z, top_p):
     p_sorted = jax.nn.softmax(z_sorted, axis=-1)
     mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
     keep_sorted = mass_before < top_p
-    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    # back to vocabulary order by scattering through the permutation (one sort per row, not a second argsort)
+    rows = z.reshape(-1, z.shape[-1]).shape[0]
+    keep = jnp.zeros((rows, z.shape[-1]), bool).at[jnp.arange(rows)[:, None], order.reshape(rows, -1)].set(
+        keep_sorted.reshape(rows, -1)).reshape(z.shape)
     return jnp.where(keep, z, _NEG)
 
 
-def sample(key, logits_XV, sp: SamplingParams):
-    """One token per row: argmax when greedy, else a draw from the processed distribution."""
+def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
+    """One token per row: argmax when greedy, else a draw from the processed distribution (``processed_XV``:
+    ``process_logits(logits_XV, sp)`` when the caller has it already, so it is not computed twice)."""
     if sp.greedy:
         return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
-    drawn = jax.random.categorical(key, process_logits(logits_XV, sp), axis=-1).astype(jnp.int32)
+    logq = process_logits(logits_XV, sp) if processed_XV is None else processed_XV
+    drawn = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
     if sp.is_static:
         return drawn
     g = jnp.asarray(sp.greedy_rows())

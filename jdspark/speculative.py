@@ -143,7 +143,10 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     G = base_BGV.shape[1]
 
     def pick(k, z):
-        return sample(k, z, sp), (process_logits(z, sp) if not sp.greedy else jnp.zeros_like(z))
+        if sp.greedy:
+            return sample(k, z, sp), jnp.zeros_like(z)
+        logq = process_logits(z, sp)  # q, what the rejection rule reads; the draft is drawn from it
+        return sample(k, z, sp, logq), logq
 
     drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, jax.random.split(key, G),
                                                  confidence=want)
