@@ -7,11 +7,13 @@ for any (temperature, top_k, top_p): the output follows the target's processed d
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 _NEG = -jnp.inf
+_NUCLEUS_FAST_K = 64  # top-p looks for its boundary among the 64 most likely tokens first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,12 @@ def _row(v, z):
     return v.reshape(v.shape + (1,) * (z.ndim - v.ndim)) if v.ndim else v
 
 
+def _lead(v, z):
+    """A per-row parameter broadcast to the leading axes of logits ``z`` [..., V]: shape ``z.shape[:-1]``."""
+    v = jnp.asarray(v)
+    return jnp.broadcast_to(v.reshape(v.shape + (1,) * (z.ndim - 1 - v.ndim)), z.shape[:-1])
+
+
 def process_logits(logits_XV, sp: SamplingParams):
     """Log-probabilities of the processed distribution, fp32: logits / T, then top-k, then top-p (nucleus: the
     smallest set of most likely tokens whose mass reaches top_p; ties broken by index). Masked entries are -inf.
@@ -81,24 +89,125 @@ def process_logits(logits_XV, sp: SamplingParams):
         return jax.nn.log_softmax(z, axis=-1)
     t, k, p = _row(sp.temperature, z), _row(sp.top_k, z), _row(sp.top_p, z)
     z = z / jnp.where(t > 0, t, 1.0)
-    desc = -jnp.sort(-z, axis=-1)
-    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, V - 1) * jnp.ones(z.shape[:-1] + (1,), jnp.int32), axis=-1)
+    kth = _kth_largest(z, jnp.clip(_lead(sp.top_k, z), 1, V))[..., None]
     z = jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
-    z = jnp.where(p < 1.0, _top_p(z, p), z)
+    z = jnp.where(p < 1.0, _top_p(z, _lead(sp.top_p, z)), z)
     return jax.nn.log_softmax(z, axis=-1)
 
 
+def _bisect(lo_X, hi_X, go_up, steps: int):
+    """Integer bisection per row, ``steps`` halvings (enough for the range): keeps ``go_up(lo) and not
+    go_up(hi)``, moving lo up where ``go_up(mid)``, else hi down. Returns (lo, hi) with hi - lo <= 1."""
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        up, live = go_up(mid), hi - lo > 1
+        return jnp.where(live & up, mid, lo), jnp.where(live & ~up, mid, hi)
+
+    return jax.lax.fori_loop(0, steps, body, (lo_X, hi_X))
+
+
+def _order_key(z):
+    """float32 -> uint32 with the same order (negative floats: all bits flipped; others: the sign bit set)."""
+    u = jax.lax.bitcast_convert_type(z, jnp.uint32)
+    return jnp.where(u >> 31 == 1, ~u, u | jnp.uint32(0x80000000))
+
+
+def _kth_largest(z, k_X):
+    """The k-th largest value of each row of z [..., V] (ties counted: the largest t with #{z >= t} >= k), by
+    bisection over the rows' order keys: 32 masked counts per row instead of a sort (XLA's CPU sort of a 4096
+    vocabulary costs more than a small model's decode step)."""
+    key = _order_key(z)
+    k_X = _lead(k_X, z)
+    lo = jnp.min(key, axis=-1)  # #{key >= lo} = V >= k
+    hi = jnp.max(key, axis=-1) + 1  # #{key >= hi} = 0 < k (no float maps to 0xFFFFFFFF)
+    lo, _ = _bisect(lo, hi, lambda t: jnp.sum(key >= t[..., None], axis=-1) >= k_X, 32)
+    found = jnp.argmax(key == lo[..., None], axis=-1)  # lo is a value of the row: the count only moves at one
+    return jnp.take_along_axis(z, found[..., None], axis=-1)[..., 0]
+
+
+def _count_before(flag_XV):
+    """#{j < i : flag_j} for every i of a boolean row, in two levels of ~sqrt(V) (XLA:CPU lowers a cumsum over a
+    4096 vocabulary as a reduce-window costing more than the rest of top-p)."""
+    V = flag_XV.shape[-1]
+    C = max(1, int(math.ceil(math.sqrt(V))))
+    nb = -(-V // C)
+    f = jnp.pad(flag_XV.astype(jnp.int32), [(0, 0)] * (flag_XV.ndim - 1) + [(0, nb * C - V)])
+    f = f.reshape(flag_XV.shape[:-1] + (nb, C))
+    within = jnp.cumsum(f, axis=-1) - f
+    block = jnp.sum(f, axis=-1)
+    before_blocks = jnp.cumsum(block, axis=-1) - block
+    return (within + before_blocks[..., None]).reshape(flag_XV.shape[:-1] + (nb * C,))[..., :V]
+
+
 def _top_p(z, top_p):
-    order = jnp.argsort(-z, axis=-1, stable=True)
-    z_sorted = jnp.take_along_axis(z, order, axis=-1)
-    p_sorted = jax.nn.softmax(z_sorted, axis=-1)
-    mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
-    keep_sorted = mass_before < top_p
-    # back to vocabulary order by scattering through the permutation (one sort per row, not a second argsort)
-    rows = z.reshape(-1, z.shape[-1]).shape[0]
-    keep = jnp.zeros((rows, z.shape[-1]), bool).at[jnp.arange(rows)[:, None], order.reshape(rows, -1)].set(
-        keep_sorted.reshape(rows, -1)).reshape(z.shape)
+    """The nucleus of each row of z [..., V]: in the order larger probability first, equal ones by smaller index,
+    a token is kept while the mass ahead of it is < top_p.
+
+    Without a sort: with f(t) = sum of the probabilities > t, every token above v = min{p_j : f(p_j) < top_p}
+    is kept, every token below is not, and the i-th token equal to v (i = 0, 1, ... by index) is kept iff
+    f(v) + i * v < top_p. v is found by bisection over the float bits of p (non-negative floats order as their
+    int32 bits)."""
+    p = jax.nn.softmax(z, axis=-1)
+    bits = jax.lax.bitcast_convert_type(p, jnp.int32)
+    top_p_X = _lead(top_p, z).astype(jnp.float32)
+
+    def mass_above(t_X):
+        return jnp.sum(jnp.where(bits > t_X[..., None], p, 0.0), axis=-1)
+
+    def by_bisection():
+        lo = jnp.full(z.shape[:-1], -1, jnp.int32)  # below every p: f = the whole mass, taken as >= top_p
+        hi = jnp.max(bits, axis=-1)  # f(max p) = 0 < top_p
+        return _bisect(lo, hi, lambda t: mass_above(t) >= top_p_X, 31)[1]
+
+    # Fast path: when the K largest probabilities already hold top_p of the mass, v is among them: the last one
+    # whose mass ahead (in that sorted list) is < top_p. lax.top_k costs a fifth of the bisection on CPU.
+    K = min(_NUCLEUS_FAST_K, z.shape[-1])
+    top_XK = jnp.take_along_axis(p, jax.lax.top_k(z, K)[1], axis=-1)  # z and p order alike; p's own bits
+    ahead_XK = jnp.cumsum(top_XK, axis=-1) - top_XK
+    n_kept = jnp.sum(ahead_XK < top_p_X[..., None], axis=-1)
+    fits = jnp.all(ahead_XK[..., -1] + top_XK[..., -1] >= top_p_X)
+    v_fast = jnp.take_along_axis(top_XK, jnp.maximum(n_kept - 1, 0)[..., None], axis=-1)[..., 0]
+    v_bits = jax.lax.cond(fits, lambda: jax.lax.bitcast_convert_type(v_fast, jnp.int32), by_bisection)
+    v = jax.lax.bitcast_convert_type(v_bits, jnp.float32)[..., None]
+    above = bits > v_bits[..., None]
+    tie = bits == v_bits[..., None]
+    # the i-th tie by index has i ties ahead of it; a lone token at v (the usual case) skips the running count
+    rank = jax.lax.cond(jnp.any(jnp.sum(tie, axis=-1) > 1), lambda: _count_before(tie), lambda: jnp.zeros(
+        tie.shape, jnp.int32))
+    keep = above | (tie & (mass_above(v_bits)[..., None] + rank * v < top_p_X[..., None]))
     return jnp.where(keep, z, _NEG)
+
+
+def draw(key, weights_XV):
+    """One index per row, i with probability w_i / sum_j w_j (weights >= 0, not necessarily normalised, each row
+    with some positive weight): the inverse CDF, i = #{j : W_j <= u * W_V} with W the running sum and
+    u ~ U[0, 1), in two levels (blocks of C ~ sqrt(V) weights: the block, then the index inside it).
+
+    Why not ``jax.random.categorical``: its Gumbel draw takes V uniform numbers per row, and threefry on this CPU
+    costs ~0.2 ms per 4096 of them (more than the small model's verify of a token); this takes one. Rounding at
+    a block or index boundary never lands on a zero weight: the index is clamped to the row's positive ones."""
+    V = weights_XV.shape[-1]
+    C = max(1, int(math.ceil(math.sqrt(V))))
+    nb = -(-V // C)
+    w = weights_XV.astype(jnp.float32)
+    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, nb * C - V)]).reshape(w.shape[:-1] + (nb, C))
+
+    def clamp_to_positive(i_X, w_XN):
+        pos = w_XN > 0
+        n = w_XN.shape[-1]
+        first = jnp.argmax(pos, axis=-1)
+        last = n - 1 - jnp.argmax(pos[..., ::-1], axis=-1)
+        return jnp.clip(i_X, first, last)
+
+    block_XB = jnp.sum(w, axis=-1)
+    below_XB = jnp.cumsum(block_XB, axis=-1)
+    t_X = jax.random.uniform(key, w.shape[:-2]) * below_XB[..., -1]
+    b_X = clamp_to_positive(jnp.sum(below_XB <= t_X[..., None], axis=-1), block_XB)
+    start_X = jnp.take_along_axis(below_XB - block_XB, b_X[..., None], axis=-1)[..., 0]
+    row_XC = jnp.take_along_axis(w, b_X[..., None, None], axis=-2)[..., 0, :]
+    j_X = jnp.sum(jnp.cumsum(row_XC, axis=-1) <= (t_X - start_X)[..., None], axis=-1)
+    return (b_X * C + clamp_to_positive(j_X, row_XC)).astype(jnp.int32)
 
 
 def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
@@ -107,7 +216,7 @@ def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
     if sp.greedy:
         return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
     logq = process_logits(logits_XV, sp) if processed_XV is None else processed_XV
-    drawn = jax.random.categorical(key, logq, axis=-1).astype(jnp.int32)
+    drawn = draw(key, jnp.exp(logq))
     if sp.is_static:
         return drawn
     g = jnp.asarray(sp.greedy_rows())
@@ -144,7 +253,7 @@ def accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: Sa
     resid = jnp.maximum(p_G1V[n_acc] - jnp.where(rejected, q_pad[n_acc], 0.0), 0.0)
     # resid sums to > 0 whenever p != q; if p == q exactly (no rejection possible) fall back to p
     resid = jnp.where(resid.sum() > 0, resid, p_G1V[n_acc])
-    nxt = jax.random.categorical(k_res, jnp.log(resid)).astype(jnp.int32)
+    nxt = draw(k_res, resid)
     return n_acc, nxt
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, process_logits
+from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, draw, process_logits
 from tests.jdspark import sampling_ref as ref
 
 ALPHA = 1e-4
@@ -56,6 +56,55 @@ def test_top_k_top_p_ties(logits, top_k, top_p, kept):
     assert np.flatnonzero(want).tolist() == kept
     assert np.flatnonzero(got > 0).tolist() == kept
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def _wide_rows(V: int = 300) -> np.ndarray:
+    """Rows wider than top-p's fast path (its 64 most likely tokens): peaked rows (the nucleus among them), flat
+    rows (the nucleus past them: the bisection), and integer rows with many ties at the boundary, in both."""
+    rng = np.random.default_rng(11)
+    peaked = rng.normal(0, 4, (8, V))
+    flat = rng.normal(0, 0.3, (8, V))
+    ties_flat = rng.integers(-1, 2, (8, V)).astype(np.float64)
+    ties_peaked = ties_flat * 3 + (np.arange(V) < 5) * 9
+    return np.concatenate([peaked, flat, ties_flat, ties_peaked]).astype(np.float32)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.5), (100, 0.95), (7, 1.0)])
+def test_wide_vocabulary_nucleus_and_top_k_match_the_reference_static_and_per_row(top_k, top_p):
+    """Both ways top-p finds its boundary (among the 64 largest, or by bisection over all of them) and the
+    per-row top-k's bisection keep exactly the reference's tokens, ties included."""
+    logits = _wide_rows()
+    want = ref.process(logits, 1.0, top_k, top_p)
+    decided = ref.top_p_margin(logits, 1.0, top_k, top_p) > 1e-5 if top_p < 1 else np.ones(len(logits), bool)
+    assert decided.mean() > 0.9
+    kept = (want > 0).sum(-1)
+    if top_p < 1 and top_k == 0:
+        assert (kept[decided] > 64).any() and (kept[decided] <= 64).any()  # both paths are taken
+    R = len(logits)
+    for sp in (SamplingParams(1.0, top_k, top_p), SamplingParams.rows(np.ones(R), np.full(R, top_k),
+                                                                      np.full(R, top_p))):
+        got = np.exp(np.asarray(process_logits(jnp.asarray(logits), sp)))
+        np.testing.assert_array_equal(got[decided] > 0, want[decided] > 0, err_msg="kept sets differ")
+        np.testing.assert_allclose(got[decided], want[decided], atol=2e-6, rtol=1e-5)
+
+
+def test_draw_follows_the_weights():
+    """draw's two-level inverse CDF: index frequencies against w / sum(w) (Pearson, ALPHA each, 2 checks); zero
+    weights never drawn (a row with one positive weight always gives it); a width that is not a square (padding)
+    and unnormalised weights."""
+    rng = np.random.default_rng(12)
+    V, N = 71, 60000
+    w = rng.gamma(0.5, 1.0, (3, V))
+    w[0, ::3] = 0.0  # zeros inside blocks
+    w[1, :40] = 0.0  # whole leading blocks empty
+    w[2, 1:] = 0.0  # one token
+    keys = jax.random.split(jax.random.key(13), N)
+    got = np.asarray(jax.jit(jax.vmap(lambda k: draw(k, jnp.asarray(w * 7.0, jnp.float32))))(keys))
+    for r in range(2):
+        counts = np.bincount(got[:, r], minlength=V)
+        assert counts[w[r] == 0].sum() == 0
+        assert ref.pearson_pvalue(counts, w[r] / w[r].sum()) > ALPHA, r
+    assert (got[:, 2] == 0).all()
 
 
 # ---------------------------------------------------------------------------------------------------- greedy
