@@ -179,35 +179,32 @@ def _top_p(z, top_p):
     return jnp.where(keep, z, _NEG)
 
 
-def draw(key, weights_XV):
-    """One index per row, i with probability w_i / sum_j w_j (weights >= 0, not necessarily normalised, each row
-    with some positive weight): the inverse CDF, i = #{j : W_j <= u * W_V} with W the running sum and
-    u ~ U[0, 1), in two levels (blocks of C ~ sqrt(V) weights: the block, then the index inside it).
+def draw(key, logw_XV):
+    """One index per row, i with probability exp(logw_i) / sum_j exp(logw_j) (log-weights, -inf for none), by the
+    Gumbel-max trick: argmax(logw + g), g ~ Gumbel iid.
 
-    Why not ``jax.random.categorical``: its Gumbel draw takes V uniform numbers per row, and threefry on this CPU
-    costs ~0.2 ms per 4096 of them (more than the small model's verify of a token); this takes one. Rounding at
-    a block or index boundary never lands on a zero weight: the index is clamped to the row's positive ones."""
-    V = weights_XV.shape[-1]
-    C = max(1, int(math.ceil(math.sqrt(V))))
-    nb = -(-V // C)
-    w = weights_XV.astype(jnp.float32)
-    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, nb * C - V)]).reshape(w.shape[:-1] + (nb, C))
+    When every row's support (its finite log-weights) fits in the K = 64 largest, the Gumbel noise is drawn for
+    those 64 candidates only (``lax.top_k`` in place of V uniform numbers: threefry on this CPU costs ~0.2 ms per
+    4096 of them, more than the small model's verify of a token); otherwise for all V. Either way exact. Not an
+    inverse CDF from one uniform: that maps rounding-level differences in the weights (the serving engine's batched
+    programs and batch-1 generate round differently) to a different token whenever the uniform falls near any of
+    the support's boundaries, where Gumbel-max changes only on a near-tie of the two best perturbed scores."""
+    V = logw_XV.shape[-1]
+    K = min(_NUCLEUS_FAST_K, V)
+    logw = logw_XV.astype(jnp.float32)
 
-    def clamp_to_positive(i_X, w_XN):
-        pos = w_XN > 0
-        n = w_XN.shape[-1]
-        first = jnp.argmax(pos, axis=-1)
-        last = n - 1 - jnp.argmax(pos[..., ::-1], axis=-1)
-        return jnp.clip(i_X, first, last)
+    def among_top_k():
+        top_XK, idx_XK = jax.lax.top_k(logw, K)
+        best = jnp.argmax(top_XK + jax.random.gumbel(key, top_XK.shape), axis=-1)
+        return jnp.take_along_axis(idx_XK, best[..., None], axis=-1)[..., 0].astype(jnp.int32)
 
-    block_XB = jnp.sum(w, axis=-1)
-    below_XB = jnp.cumsum(block_XB, axis=-1)
-    t_X = jax.random.uniform(key, w.shape[:-2]) * below_XB[..., -1]
-    b_X = clamp_to_positive(jnp.sum(below_XB <= t_X[..., None], axis=-1), block_XB)
-    start_X = jnp.take_along_axis(below_XB - block_XB, b_X[..., None], axis=-1)[..., 0]
-    row_XC = jnp.take_along_axis(w, b_X[..., None, None], axis=-2)[..., 0, :]
-    j_X = jnp.sum(jnp.cumsum(row_XC, axis=-1) <= (t_X - start_X)[..., None], axis=-1)
-    return (b_X * C + clamp_to_positive(j_X, row_XC)).astype(jnp.int32)
+    def over_all():
+        return jax.random.categorical(key, logw, axis=-1).astype(jnp.int32)
+
+    if K == V:
+        return over_all()
+    fits = jnp.all(jnp.sum(logw > _NEG, axis=-1) <= K)
+    return jax.lax.cond(fits, among_top_k, over_all)
 
 
 def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
@@ -216,7 +213,7 @@ def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
     if sp.greedy:
         return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
     logq = process_logits(logits_XV, sp) if processed_XV is None else processed_XV
-    drawn = draw(key, jnp.exp(logq))
+    drawn = draw(key, logq)
     if sp.is_static:
         return drawn
     g = jnp.asarray(sp.greedy_rows())
@@ -253,7 +250,7 @@ def accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: Sa
     resid = jnp.maximum(p_G1V[n_acc] - jnp.where(rejected, q_pad[n_acc], 0.0), 0.0)
     # resid sums to > 0 whenever p != q; if p == q exactly (no rejection possible) fall back to p
     resid = jnp.where(resid.sum() > 0, resid, p_G1V[n_acc])
-    nxt = draw(k_res, resid)
+    nxt = draw(k_res, jnp.log(resid))
     return n_acc, nxt
 
 
