@@ -38,11 +38,19 @@ def test_buckets():
     assert buckets_up_to(16) == (1, 2, 4, 8, 16) and buckets_up_to(6) == (1, 2, 4, 6) and buckets_up_to(1) == (1,)
 
 
-def test_engine_outputs_equal_batch_one_generate(pair):
+@pytest.fixture(scope="module")
+def backend(pair):
+    """One 4-slot backend for the module (its programs compile once): verify widths 1, 4 and G + 1."""
+    target, drafter, _ = pair
+    G = drafter.config.block_size
+    return SlotBackend(target, drafter, num_slots=4, max_len=128, prompt_buckets=(64,), batch_buckets=(4,),
+                       adaptive=True, widths=(1, 4, G + 1))
+
+
+def test_engine_outputs_equal_batch_one_generate(pair, backend):
     target, drafter, tok = pair
     G = drafter.config.block_size
-    be = SlotBackend(target, drafter, num_slots=4, max_len=128, prompt_buckets=(64,), batch_buckets=(4,),
-                     adaptive=True)
+    be = backend
     # a cost table where verifying grows expensive with width, so the scheduler's choice moves with the survival
     # curves (warm_up would measure this machine's, where the choice may sit at one width)
     be.costs = monotone_costs({(4, w): 1.0 + 0.5 * (w - 1) for w in be.widths})
@@ -84,15 +92,16 @@ def test_engine_outputs_equal_batch_one_generate(pair):
     assert len([w for w in be.width_counts if 1 < w < G + 1]) >= 1 and be.width_counts[G + 1] > 0
 
 
-def test_sampled_slot_equals_generate(pair):
-    """A sampled request in a one-slot backend draws what batch-1 generate draws with the same seed."""
+def test_sampled_slot_equals_generate(pair, backend):
+    """A sampled request alone in the backend (one active slot of four, fixed width) draws what batch-1 generate
+    draws with the same seed."""
     target, drafter, tok = pair
     ids = tuple(int(x) for x in jdata.heldout_prompts(2, 32, tokenizer=tok)[1])
-    be = SlotBackend(target, drafter, num_slots=1, max_len=128, prompt_buckets=(64,), batch_buckets=(1,))
-    sp = SamplingRequest(ids, 30, temperature=1.0, top_p=0.95, seed=1)
-    out = be.insert(0, sp).tokens
-    while len(out) < 30:
-        out += be.step([0])[0].tokens
-    ref = jdspark.generate(target, drafter, np.array(ids), max_new_tokens=30, seed=1, temperature=1.0, top_p=0.95,
-                           eos_token_id=-1)
-    assert out[:30] == list(ref.tokens)
+    be = backend
+    sp = SamplingRequest(ids, MAX_NEW, temperature=1.0, top_p=0.95, seed=1, spec_mode="fixed")
+    out = be.insert(2, sp).tokens
+    while len(out) < MAX_NEW:
+        out += be.step([2])[2].tokens
+    ref = jdspark.generate(target, drafter, np.array(ids), max_new_tokens=MAX_NEW, seed=1, temperature=1.0,
+                           top_p=0.95, eos_token_id=-1)
+    assert out[:MAX_NEW] == list(ref.tokens)
