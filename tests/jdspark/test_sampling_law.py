@@ -23,6 +23,9 @@ from tests.jdspark import sampling_ref
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 from tests.oracle_drafter import histogram
 
+# thousands of generations (and their teacher-forced logits) in one program each: run time dominates, so these
+# are compiled with the optimising backend (the suite's default is -O0, tests/conftest.py)
+_OPTIMISED = {"xla_backend_optimization_level": 2}
 T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at least 2 full steps), draws, per check
 
 
@@ -37,9 +40,7 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
                                                    padded, jnp.int32(len(prompt)), k)
         return out[:T_LAW], st
 
-    # thousands of generations in one program: run-time dominates, so this one is compiled with the optimising
-    # backend (the suite's default is -O0, tests/conftest.py)
-    run = jax.jit(jax.vmap(one), compiler_options={"xla_backend_optimization_level": 2})
+    run = jax.jit(jax.vmap(one), compiler_options=_OPTIMISED)
     toks, st = run(jax.random.split(jax.random.key(seed), n))
     return np.asarray(toks), jax.device_get(st)
 
@@ -49,10 +50,13 @@ def _conditional_law(target, prompt, draws, sp: SamplingParams) -> np.ndarray:
     teacher-forced logits (one prefill over all draws): [n, T_LAW, V]."""
     P = len(prompt)
     seqs = np.concatenate([np.broadcast_to(np.asarray(prompt, np.int32), (len(draws), P)), draws], 1)
+    graph, state = nnx.split(target)
+    prefill = jax.jit(kimi.model._forward_pure, static_argnums=(0, 4, 5), compiler_options=_OPTIMISED)
     logits = []
     for c in range(0, len(seqs), 2000):
-        chunk = seqs[c:c + 2000, :-1]
-        logits.append(np.asarray(target.prefill(chunk, target.init_cache(len(chunk), chunk.shape[1])).logits))
+        chunk = jnp.asarray(seqs[c:c + 2000, :-1])
+        cache = target.init_cache(chunk.shape[0], chunk.shape[1])
+        logits.append(np.asarray(prefill(graph, state, chunk, cache, "prefill", ()).logits))
     logits = np.concatenate(logits)[:, P - 1:]
     return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p)
 

@@ -1,4 +1,4 @@
-"""The serving engine on the shipped pair, batched: 20 requests of different prompt lengths, completion lengths,
+"""The serving engine on a tiny built pair, batched: 20 requests of different prompt lengths, completion lengths,
 sampling settings, speculation modes (off, fixed, adaptive) and arrival times, served 4 slots at a time through
 the Engine's host loop and the SlotBackend, each equal token for token to its own batch-1 ``jdspark.generate``:
 greedy ones in every mode, and sampled ones that verify whole blocks (the same seed drives the same draws). A
@@ -6,22 +6,19 @@ sampled request verified at another width, or with speculation off (its token dr
 block), draws with other keys than generate's loop: the same law (tests/jdspark/test_sampling_law.py), other
 tokens. Speculating requests accept partially (1 < accept_len < G + 1); the adaptive steps use several widths."""
 
-import os
-import sys
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jdspark
-from jdspark import data as jdata
+import kimi
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slots import SlotBackend, buckets_up_to
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import generate as gen  # noqa: E402
+from kimi.tokenizer import ByteTokenizer
+from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 
 MAX_NEW = 40
 SETTINGS = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)]
@@ -29,9 +26,24 @@ SETTINGS = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)]
 
 @pytest.fixture(scope="module")
 def pair():
-    target, drafter, note = gen.load_pair(gen.DEFAULT_DIR)
-    assert note.startswith("loaded"), note
-    return target, drafter, gen.load_tokenizer(gen.DEFAULT_DIR, target.config)
+    """A tiny K3-shaped pair built, not trained (tests/jdspark/test_speculative.py): the target's output
+    projections scaled by 0.3 (context matters, so drafts fail), the drafter's Markov head holding the target's
+    bigram map with a fifth of it wrong, its confidence head reading the previous token (survival curves that move
+    the adaptive scheduler). 16 experts: the MoE's gathered path, which vmaps over slots. A tiny pair keeps the
+    module's compiles to seconds; the shipped pair's generate is tested in test_shipped_pair.py."""
+    cfg = kimi.KimiConfig.tiny(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts=16)
+    target = scaled_target(cfg, 0.3, seed=5)
+    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0, seed=5)), 0.2, 4.0, seed=5)
+    ch = drafter.confidence_head.proj
+    D = cfg.hidden_size
+    ch.kernel[...] = jnp.zeros_like(ch.kernel[...]).at[D:, 0].set(jnp.linspace(-1.0, 4.0, cfg.vocab_size))
+    ch.bias[...] = jnp.zeros_like(ch.bias[...]) + 1.0
+    return target, drafter, ByteTokenizer()
+
+
+def _prompts(n: int, length: int, vocab: int) -> list:
+    rng = np.random.default_rng(0)
+    return [np.concatenate([[1], rng.integers(3, vocab, length - 1)]).astype(np.int32) for _ in range(n)]
 
 
 def test_buckets():
@@ -55,7 +67,7 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
     # curves (warm_up would measure this machine's, where the choice may sit at one width)
     be.costs = monotone_costs({(4, w): 1.0 + 0.5 * (w - 1) for w in be.widths})
     eng = Engine(be, tok, eos_token_id=target.config.eos_token_id, max_waiting=32).start()
-    prompts = jdata.heldout_prompts(20, 60, tokenizer=tok)
+    prompts = _prompts(20, 60, target.config.vocab_size)
     reqs = []
     try:
         for i, p in enumerate(prompts):
@@ -96,7 +108,7 @@ def test_sampled_slot_equals_generate(pair, backend):
     """A sampled request alone in the backend (one active slot of four, fixed width) draws what batch-1 generate
     draws with the same seed."""
     target, drafter, tok = pair
-    ids = tuple(int(x) for x in jdata.heldout_prompts(2, 32, tokenizer=tok)[1])
+    ids = tuple(int(x) for x in _prompts(2, 32, target.config.vocab_size)[1])
     be = backend
     sp = SamplingRequest(ids, MAX_NEW, temperature=1.0, top_p=0.95, seed=1, spec_mode="fixed")
     out = be.insert(2, sp).tokens

@@ -2,7 +2,6 @@
 description, images merged at their placeholders in prefill and through jdspark.generate (lossless with a
 drafter), checkpoints by name, kimi.info, and the errors for bad input."""
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -114,9 +113,12 @@ def test_k3_preset_shapes():
     assert v.media_placeholder_token_id == 163605 and kimi.KimiConfig.tiny().vision is None
 
 
-def test_info_reports_vision_params():
-    out = subprocess.run([sys.executable, "-m", "kimi.info", "--preset", "k3", "--json"], capture_output=True,
-                         text=True, check=True, timeout=300).stdout.strip().splitlines()[-1]
+def test_info_reports_vision_params(capsys):
+    """``python -m kimi.info --preset k3 --json``, through its ``main`` in this process."""
+    import kimi.info
+
+    assert kimi.info.main(["--preset", "k3", "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]
     d = json.loads(out)
     per_block = (1024 * 4608 + 4608) + (1536 * 1024 + 1024) + (1024 * 4096 + 4096) + (4096 * 1024 + 1024) + 2 * 1024
     want = 27 * per_block + 588 * 1024 + 64 * 64 * 1024 + 1024 + 4096 * 4096 + 4096 * 7168 + 7168
@@ -213,7 +215,6 @@ def test_generate_script_image_prompt(vlm, tmp_path):
     """scripts/generate.py --image: PNG files read, one placeholder per image after BOS expanded to the image's
     merged patches (the count prefill checks); a text-only checkpoint is refused by name."""
     import os
-    import sys
 
     from PIL import Image
 
