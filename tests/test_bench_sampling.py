@@ -1,0 +1,22 @@
+"""scripts/bench_sampling.py on a small vocabulary: one JSON line with every operation's figure per shape, the
+peaked logits' nucleus within top-p's fast path and the flat ones' past it (so both paths are what is timed)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import bench_sampling  # noqa: E402
+
+
+def test_json_line_has_every_figure(capsys):
+    assert bench_sampling.main(["--vocab", "512", "--rows", "1", "--iters", "2", "--repeats", "1", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    r = json.loads(lines[0])
+    peaked, flat = r["rows"]["1xpeaked"], r["rows"]["1xflat"]
+    assert peaked["nucleus_tokens_row0"] <= 64 < flat["nucleus_tokens_row0"]
+    for name in ("sample_top_p", "top_p_mask", "gumbel_categorical_all_V", "sort_V", "argsort_V", "top_k_64"):
+        assert peaked[name] > 0
+    assert flat["sample_top_p"] > 0 and "sort_V" not in flat
