@@ -1,5 +1,6 @@
-"""scripts/bench_sampling.py on a small vocabulary: one JSON line with every operation's figure per shape, the
-peaked logits' nucleus within top-p's fast path and the flat ones' past it (so both paths are what is timed)."""
+"""scripts/bench_sampling.py at its default vocabulary, two calls per figure: one JSON line with every operation's
+figure per shape, the peaked logits' nucleus within top-p's fast path and the flat ones' past it (so both paths
+are what is timed)."""
 
 import json
 import os
@@ -11,7 +12,7 @@ import bench_sampling  # noqa: E402
 
 
 def test_json_line_has_every_figure(capsys):
-    assert bench_sampling.main(["--vocab", "512", "--rows", "1", "--iters", "2", "--repeats", "1", "--json"]) == 0
+    assert bench_sampling.main(["--vocab", "4096", "--rows", "1", "--iters", "2", "--repeats", "1", "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     r = json.loads(lines[0])
