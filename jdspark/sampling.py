@@ -61,12 +61,6 @@ class SamplingParams:
 jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p"], meta_fields=[])
 
 
-def _row(v, z):
-    """A per-row parameter broadcast against logits ``z`` [..., V] (scalars as they are)."""
-    v = jnp.asarray(v)
-    return v.reshape(v.shape + (1,) * (z.ndim - v.ndim)) if v.ndim else v
-
-
 def _lead(v, z):
     """A per-row parameter broadcast to the leading axes of logits ``z`` [..., V]: shape ``z.shape[:-1]``."""
     v = jnp.asarray(v)
@@ -87,7 +81,7 @@ def process_logits(logits_XV, sp: SamplingParams):
         if sp.top_p < 1.0:
             z = _top_p(z, sp.top_p)
         return jax.nn.log_softmax(z, axis=-1)
-    t, k, p = _row(sp.temperature, z), _row(sp.top_k, z), _row(sp.top_p, z)
+    t, k, p = (_lead(v, z)[..., None] for v in (sp.temperature, sp.top_k, sp.top_p))
     z = z / jnp.where(t > 0, t, 1.0)
     kth = _kth_largest(z, jnp.clip(_lead(sp.top_k, z), 1, V))[..., None]
     z = jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
