@@ -22,11 +22,17 @@ class SamplingParams:
 
     Fields are Python numbers (one setting for a whole program: the branches a setting does not need are skipped
     when tracing) or arrays of one value per row (``SamplingParams.rows``: a serving engine's slots, each with
-    its own setting; every branch is computed and selected per row)."""
+    its own setting; every branch is computed and selected per row).
+
+    ``batch`` (optional, with per-row fields): three scalar booleans for the whole batch, whether any row samples
+    (temperature > 0), uses top-k, uses top-p. A mapped program (``jax.vmap`` over rows) builds its per-row
+    parameters inside the map and closes over ``batch`` from outside it, so ``lax.cond`` on these stays a real
+    branch (a per-row predicate under vmap runs both): a batch of greedy rows skips sampling altogether."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    batch: object = None
 
     def __post_init__(self):
         if not self.is_static:
@@ -52,13 +58,37 @@ class SamplingParams:
         return self.temperature == 0.0 if self.is_static else jnp.asarray(self.temperature) == 0.0
 
     @staticmethod
-    def rows(temperature, top_k, top_p) -> "SamplingParams":
-        """Per-row parameters as arrays (validated by the caller)."""
+    def rows(temperature, top_k, top_p, batch=None) -> "SamplingParams":
+        """Per-row parameters as arrays (validated by the caller); ``batch``: ``batch_flags`` of the whole batch."""
         return SamplingParams(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                              jnp.asarray(top_p, jnp.float32))
+                              jnp.asarray(top_p, jnp.float32), batch)
+
+    @staticmethod
+    def batch_flags(temperature_B, top_k_B, top_p_B):
+        """(any row samples, any uses top-k, any uses top-p) of a batch's per-row parameters."""
+        t, k, p = (jnp.asarray(x) for x in (temperature_B, top_k_B, top_p_B))
+        sampled = t > 0
+        return jnp.any(sampled), jnp.any(sampled & (k > 0)), jnp.any(sampled & (p < 1.0))
 
 
-jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p"], meta_fields=[])
+jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p", "batch"],
+                                 meta_fields=[])
+
+
+def unless_greedy(sp: SamplingParams, sampled, greedy):
+    """``greedy()`` when every row is greedy, else ``sampled()``: decided when tracing for a static setting, at
+    run time (``lax.cond``) from ``sp.batch`` for per-row arrays that carry it; else ``sampled()`` (which selects
+    per row)."""
+    if sp.greedy:
+        return greedy()
+    if sp.is_static or sp.batch is None:
+        return sampled()
+    return jax.lax.cond(sp.batch[0], sampled, greedy)
+
+
+def _when(flag, fn, z):
+    """``fn(z)`` where a batch flag (None: unknown) says some row needs it, else ``z`` unchanged."""
+    return fn(z) if flag is None else jax.lax.cond(flag, fn, lambda x: x, z)
 
 
 def _lead(v, z):
@@ -83,9 +113,14 @@ def process_logits(logits_XV, sp: SamplingParams):
         return jax.nn.log_softmax(z, axis=-1)
     t, k, p = (_lead(v, z)[..., None] for v in (sp.temperature, sp.top_k, sp.top_p))
     z = z / jnp.where(t > 0, t, 1.0)
-    kth = _kth_largest(z, jnp.clip(_lead(sp.top_k, z), 1, V))[..., None]
-    z = jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
-    z = jnp.where(p < 1.0, _top_p(z, _lead(sp.top_p, z)), z)
+    any_k, any_p = (None, None) if sp.batch is None else sp.batch[1:]
+
+    def top_k_rows(z):
+        kth = _kth_largest(z, jnp.clip(_lead(sp.top_k, z), 1, V))[..., None]
+        return jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
+
+    z = _when(any_k, top_k_rows, z)
+    z = _when(any_p, lambda z: jnp.where(p < 1.0, _top_p(z, _lead(sp.top_p, z)), z), z)
     return jax.nn.log_softmax(z, axis=-1)
 
 
@@ -204,15 +239,19 @@ def draw(key, logw_XV):
 def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
     """One token per row: argmax when greedy, else a draw from the processed distribution (``processed_XV``:
     ``process_logits(logits_XV, sp)`` when the caller has it already, so it is not computed twice)."""
-    if sp.greedy:
+    def greedy():
         return jnp.argmax(logits_XV, axis=-1).astype(jnp.int32)
-    logq = process_logits(logits_XV, sp) if processed_XV is None else processed_XV
-    drawn = draw(key, logq)
-    if sp.is_static:
-        return drawn
-    g = jnp.asarray(sp.greedy_rows())
-    g = g.reshape(g.shape + (1,) * (drawn.ndim - g.ndim)) if g.ndim else g
-    return jnp.where(g, jnp.argmax(logits_XV, axis=-1).astype(jnp.int32), drawn)
+
+    def sampled():
+        logq = process_logits(logits_XV, sp) if processed_XV is None else processed_XV
+        drawn = draw(key, logq)
+        if sp.is_static:
+            return drawn
+        g = jnp.asarray(sp.greedy_rows())
+        g = g.reshape(g.shape + (1,) * (drawn.ndim - g.ndim)) if g.ndim else g
+        return jnp.where(g, greedy(), drawn)
+
+    return unless_greedy(sp, sampled, greedy)
 
 
 def accept_greedy(drafts_G, target_logits_G1V, n_verify):
@@ -255,7 +294,11 @@ def accept(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: SamplingPara
         if sp.greedy:
             return accept_greedy(drafts_G, target_logits_G1V, n_verify)
         return accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp)
-    m_g, t_g = accept_greedy(drafts_G, target_logits_G1V, n_verify)
-    m_s, t_s = accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp)
-    g = sp.greedy_rows()
-    return jnp.where(g, m_g, m_s), jnp.where(g, t_g, t_s)
+
+    def per_row():
+        m_g, t_g = accept_greedy(drafts_G, target_logits_G1V, n_verify)
+        m_s, t_s = accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp)
+        g = sp.greedy_rows()
+        return jnp.where(g, m_g, m_s), jnp.where(g, t_g, t_s)
+
+    return unless_greedy(sp, per_row, lambda: accept_greedy(drafts_G, target_logits_G1V, n_verify))

@@ -30,7 +30,7 @@ from jax.experimental import io_callback
 
 from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
-from jdspark.sampling import SamplingParams, accept, process_logits, sample
+from jdspark.sampling import SamplingParams, accept, process_logits, sample, unless_greedy
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
 from kimi.model import check_token_ids, with_serving_layout
@@ -143,10 +143,14 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     G = base_BGV.shape[1]
 
     def pick(k, z):
-        if sp.greedy:
-            return sample(k, z, sp), jnp.zeros_like(z)
-        logq = process_logits(z, sp)  # q, what the rejection rule reads; the draft is drawn from it
-        return sample(k, z, sp, logq), logq
+        def greedy():
+            return jnp.argmax(z, axis=-1).astype(jnp.int32), jnp.zeros_like(z, jnp.float32)
+
+        def sampled():
+            logq = process_logits(z, sp)  # q, what the rejection rule reads; the draft is drawn from it
+            return sample(k, z, sp, logq), logq
+
+        return unless_greedy(sp, sampled, greedy)
 
     drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, jax.random.split(key, G),
                                                  confidence=want)

@@ -15,10 +15,12 @@ path has a test against its reference.
   serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
   prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
+  MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax
@@ -74,6 +76,25 @@ USED_UNROLL_MAX_EXPERTS = 32
 USED_LOOP_MAX_FRACTION = 0.5
 
 
+# A program that maps a batch-1 step over n rows with ``jax.vmap`` (the serving engine's slots) says so with
+# ``mapped_rows(n)`` while it traces: a ``lax.cond`` on per-row data runs both branches under vmap, so the paths
+# that skip work at run time ('used', 'all_or_used') would do every path's work; and the rows a path serves are
+# n times the rows one mapped call sees.
+_MAPPED_ROWS = [None]  # None: not mapped
+
+
+@contextlib.contextmanager
+def mapped_rows(n: int):
+    """Trace-time context: the model is being mapped over ``n`` rows (``jax.vmap``); see ``moe_path``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"mapped_rows: expected an int >= 1, got {n!r}")
+    _MAPPED_ROWS.append(n)
+    try:
+        yield
+    finally:
+        _MAPPED_ROWS.pop()
+
+
 def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str:
     """How routed experts run, from static shapes and ``serving_dtype`` (the dtype of the serving copy's expert
     layouts when ``with_serving_layout`` made them, else None):
@@ -84,7 +105,13 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     the rows are few: each expert once, no sort; 'all_or_used' for those rows on the serving copy (the picked
     experts only, when they are few; decided at run time); 'grouped' otherwise (prefill and training): sort by
     expert and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded batched matmuls), because
-    XLA:CPU's ragged_dot runs every row against every group."""
+    XLA:CPU's ragged_dot runs every row against every group.
+
+    Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route to fewer slots than there are experts, else
+    'all' (no run-time skipping, which vmap would turn into both branches), each as for rows that many."""
+    mapped = _MAPPED_ROWS[-1]
+    if mapped is not None:
+        return "gathered" if rows * mapped * top_k < num_experts else "all"
     if rows * top_k < num_experts:
         return "used" if serving_dtype == jnp.bfloat16 else "gathered"
     if rows <= MOE_ALL_MAX_ROWS:
@@ -142,3 +169,16 @@ def prefill_chunk(T: int, chunk: Optional[int] = None) -> Optional[int]:
             raise ValueError(f"prefill_chunk: expected None or an int >= 0, got {chunk!r}")
         return chunk if 0 < chunk < T else None
     return PREFILL_CHUNK_TOKENS if T > PREFILL_ONE_PASS_MAX_TOKENS else None
+
+
+# --------------------------------------------------------------------------------------------------- MLA prefill
+# A prefill (or prefill chunk) over a cache of more keys than this attends key tile by key tile (online softmax,
+# kimi/ops/mla.py): its scores are [T, MLA_KEY_TILE] per head instead of [T, S], and the cache's empty tail is
+# skipped. Below it the whole-cache form is one fused pass (fewer, larger matmuls).
+MLA_TILED_MIN_KEYS = 8192
+MLA_KEY_TILE = 2048
+
+
+def mla_key_tile(num_keys: int) -> Optional[int]:
+    """The key tile a prefill over a cache of ``num_keys`` positions uses (None: whole-cache scores)."""
+    return MLA_KEY_TILE if num_keys > MLA_TILED_MIN_KEYS else None

@@ -325,9 +325,14 @@ class GatedMLA(nnx.Module):
         write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0)))
         ckv_BSL = write(ckv_BSL, ckv_new, length_B)
         kpe_BSR = write(kpe_BSR, kpe_new, length_B)
-        attend = mla_ops.mla_attend_absorbed if absorbed else mla_ops.mla_attend_unabsorbed
-        o_BTHV = attend(q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T,
-                        cfg.v_head_dim)
+        args = (q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
+        tile = None if absorbed else dispatch.mla_key_tile(ckv_BSL.shape[1])
+        if absorbed:
+            o_BTHV = mla_ops.mla_attend_absorbed(*args)
+        elif tile:
+            o_BTHV = mla_ops.mla_attend_tiled(*args, tile=tile)
+        else:
+            o_BTHV = mla_ops.mla_attend_unabsorbed(*args)
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
             o = o * jax.nn.sigmoid(gate_in[0].astype(jnp.float32))

@@ -175,12 +175,21 @@ def held_out_prompts(checkpoint: str, n: int, prompt_len: int):
     return [p.tolist() for p in jdata.heldout_prompts(n, prompt_len, tokenizer=tok)]
 
 
-def launch(checkpoint: str, port: int, slots: int, timeout: float = 900.0):
+def launch_args(prompt_len: int, max_tokens: int) -> list:
+    """The server flags a launched run sizes by its traffic, as an operator would: one prompt bucket that holds
+    the prompts, and slot caches of the prompt + completion + a verify block (16 covers the drafter's), rounded
+    up to 64 positions (a slot's state is copied on every step it runs, so an oversized cache costs time)."""
+    bucket = -(-int(prompt_len) // 64) * 64
+    max_len = -(-(bucket + int(max_tokens) + 16) // 64) * 64
+    return ["--prompt-buckets", str(bucket), "--max-len", str(max_len)]
+
+
+def launch(checkpoint: str, port: int, slots: int, timeout: float = 900.0, extra=()):
     """Start the server on 127.0.0.1:port and wait (bounded) until /health says ready."""
     import httpx
 
     proc = subprocess.Popen([sys.executable, "-m", "jdspark.serve", "--checkpoint", checkpoint, "--slots",
-                             str(slots), "--port", str(port), "--host", "127.0.0.1"], cwd=ROOT)
+                             str(slots), "--port", str(port), "--host", "127.0.0.1", *extra], cwd=ROOT)
     url, deadline = f"http://127.0.0.1:{port}", time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -223,7 +232,7 @@ def main(argv=None) -> int:
     proc = None
     url = a.url
     if a.launch:
-        proc, url = launch(a.checkpoint, a.port, a.slots)
+        proc, url = launch(a.checkpoint, a.port, a.slots, extra=launch_args(a.prompt_len, a.max_tokens))
     cells = []
     try:
         one_request(url, prompts[0], 8, 0.0, 0, modes[0])  # warm the path end to end

@@ -9,12 +9,19 @@ shared by all heads). With W_kvb reshaped to [H, N + V, L] (N = nope dim, V = va
                logit[t,h,s] = scale * (q_lat[t,h] . c_kv[s] + q_pe[t,h] . k_pe[s])
                o_lat[t,h] = sum_s p[t,h,s] c_kv[s];  o[t,h] = W_kvb[h,N:] o_lat[t,h]
 
-Both are the same function of the inputs; scale = (N + R)^-1/2. Masking: key s is visible to query t iff
-s <= q_pos[t] and s < kv_len; the mask is applied to the logits before the fp32 softmax.
+  tiled:       the unabsorbed form over key tiles s in [j*K, (j+1)*K) with an online softmax (running max m,
+               sum l, output acc; per tile: m' = max(m, max_s logit), acc = acc * e^(m - m') + sum_s e^(logit - m') v,
+               l = l * e^(m - m') + sum_s e^(logit - m')), o = acc / l. Only the tiles below max(kv_len) run, so a
+               chunk of a long prefill holds [T, K] scores per head, not [T, S], and skips the cache's empty tail.
+
+All are the same function of the inputs; scale = (N + R)^-1/2. Masking: key s is visible to query t iff
+s <= q_pos[t] and s < kv_len; the mask is applied to the logits before the fp32 softmax (before ``exp`` in the
+tiled form).
 """
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _NEG = -1e30
 
@@ -71,3 +78,45 @@ def mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_po
     o_lat_BTHL = jnp.einsum("bhts,bsl->bthl", p, ckv_BSL.astype(f32))
     return jnp.einsum("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL)
 
+
+
+def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int,
+                     tile: int):
+    """The unabsorbed form, key tile by key tile (online softmax; see the module docstring). Returns o_BTHV (fp32).
+
+    Tiles start at j * tile; the last one is shifted back to end at S (a ``dynamic_slice`` stays in bounds) and
+    keys an earlier tile already covered are masked out of it. The loop runs ceil(max(kv_len) / tile) tiles (a
+    ``fori_loop`` with a traced trip count): peak memory is one tile's keys, values and [B, H, T, tile] scores."""
+    B, T, H, N = q_nope_BTHN.shape
+    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
+    if tile >= S:
+        return mla_attend_unabsorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
+    w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
+    scale = np.float32((N + R) ** -0.5)
+    q_nope, q_pe = q_nope_BTHN.astype(f32) * scale, q_pe_BTHR.astype(f32) * scale
+
+    def body(j, carry):
+        m_BHT, l_BHT, acc_BTHV = carry
+        start = jnp.minimum(j * tile, S - tile)
+        ckv_BKL = jax.lax.dynamic_slice_in_dim(ckv_BSL, start, tile, axis=1).astype(f32)
+        kpe_BKR = jax.lax.dynamic_slice_in_dim(kpe_BSR, start, tile, axis=1)
+        k_BKHN = jnp.einsum("bkl,hnl->bkhn", ckv_BKL, w_uk_HNL)
+        v_BKHV = jnp.einsum("bkl,hvl->bkhv", ckv_BKL, w_uv_HVL)
+        logits = _rope_logits(jnp.einsum("bthn,bkhn->bhtk", q_nope, k_BKHN), q_pe, kpe_BKR)
+        s_K = start + jnp.arange(tile, dtype=jnp.int32)
+        vis_BTK = ((s_K[None, None] <= q_pos_BT[:, :, None]) & (s_K[None, None] < kv_len_B[:, None, None])
+                   & (s_K[None, None] >= j * tile))
+        logits = jnp.where(vis_BTK[:, None], logits, _NEG)
+        m_new = jnp.maximum(m_BHT, logits.max(-1))
+        p_BHTK = jnp.where(vis_BTK[:, None], jnp.exp(logits - m_new[..., None]), 0.0)
+        alpha_BHT = jnp.exp(m_BHT - m_new)
+        l_BHT = l_BHT * alpha_BHT + p_BHTK.sum(-1)
+        acc_BTHV = acc_BTHV * jnp.transpose(alpha_BHT, (0, 2, 1))[..., None] + jnp.einsum(
+            "bhtk,bkhv->bthv", p_BHTK, v_BKHV)
+        return m_new, l_BHT, acc_BTHV
+
+    n_tiles = (jnp.max(kv_len_B) + tile - 1) // tile
+    init = (jnp.full((B, H, T), _NEG, f32), jnp.zeros((B, H, T), f32), jnp.zeros((B, T, H, v_dim), f32))
+    _, l_BHT, acc_BTHV = jax.lax.fori_loop(0, n_tiles, body, init)
+    l_BTH = jnp.transpose(l_BHT, (0, 2, 1))
+    return acc_BTHV / jnp.where(l_BTH > 0, l_BTH, 1.0)[..., None]

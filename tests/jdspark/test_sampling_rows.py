@@ -49,3 +49,37 @@ def test_sample_and_accept_per_row_equal_static():
 def test_static_parameters_are_still_checked():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(1.0, 0, 0.0)
+
+
+@pytest.mark.parametrize("settings", [SETTINGS, [(0.0, 0, 1.0)] * 3, [(0.0, 0, 1.0), (1.0, 0, 1.0)],
+                                      [(0.0, 4, 0.5), (1.0, 0, 0.9)], [(0.0, 0, 1.0), (0.8, 3, 1.0)]],
+                         ids=["mixed", "all-greedy", "greedy+plain-T1", "top-p-only-sampled", "top-k-only"])
+def test_batch_flags_under_vmap_equal_per_row(settings):
+    """A mapped batch with ``batch`` flags taken outside the map (the engine's step) samples, processes and
+    accepts exactly as the per-row parameters without them: the flags only skip work no row needs (a greedy
+    row's top-k / top-p settings included)."""
+    V, G = 12, 3
+    rows = len(settings)
+    z = _logits(rows, V, seed=2)
+    t, k, p = (jnp.asarray(x) for x in zip(*settings))
+    flags = SamplingParams.batch_flags(t, k, p)
+    keys = jax.random.split(jax.random.key(7), rows)
+    drafts = jnp.argmax(z[:, :G], -1).at[:, 1].set(0).astype(jnp.int32)
+
+    def one(key, zr, dr, tr, kr, pr, batch):
+        sp = SamplingParams.rows(tr, kr, pr, batch)
+        logq = process_logits(zr[:G] + 0.3, sp)
+        return (sample(key, zr[0], sp), process_logits(zr, sp),
+                accept(key, dr, logq, zr, jnp.int32(G), sp))
+
+    with_flags = jax.jit(jax.vmap(lambda *a: one(*a, flags)))(keys, z, drafts, t, k, p)
+    without = jax.jit(jax.vmap(lambda *a: one(*a, None)))(keys, z, drafts, t, k, p)
+    (tok_f, logq_f, acc_f), (tok, logq, acc) = with_flags, without
+    np.testing.assert_array_equal(np.asarray(tok_f), np.asarray(tok))
+    for a, b in zip(acc_f, acc):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    sampled = np.asarray(t) > 0  # a greedy row's processed distribution is never read (argmax of the raw logits)
+    np.testing.assert_array_equal(np.asarray(logq_f)[sampled], np.asarray(logq)[sampled])
+    assert bool(flags[0]) == any(s[0] > 0 for s in settings)
+    assert bool(flags[1]) == any(s[0] > 0 and s[1] > 0 for s in settings)
+    assert bool(flags[2]) == any(s[0] > 0 and s[2] < 1 for s in settings)

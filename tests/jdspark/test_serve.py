@@ -247,3 +247,15 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
     for mode in ("sometimes", "adaptive"):  # not a mode; not offered by a server started with --spec fixed
         r = httpx.post(soak_srv.url + "/v1/completions", json={"prompt": "x", "spec_mode": mode})
         assert r.status_code == 400 and r.json()["error"]["param"] == "spec_mode"
+
+
+def test_bench_serve_sizes_a_launched_server_by_its_traffic():
+    """--launch starts the server with one prompt bucket holding the prompts and slot caches of prompt +
+    completion + a verify block (rounded up to 64)."""
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench_serve
+
+    assert bench_serve.launch_args(128, 128) == ["--prompt-buckets", "128", "--max-len", "320"]
+    assert bench_serve.launch_args(100, 50) == ["--prompt-buckets", "128", "--max-len", "256"]

@@ -37,6 +37,26 @@ def test_mla_absorbed_equals_unabsorbed():
                 np.testing.assert_allclose(a[b, t, h], o, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", [4, 5, 11])
+def test_mla_tiled_equals_unabsorbed(tile):
+    """Key tiles that do and do not divide S (the last tile shifted back), rows whose visible keys end in different
+    tiles (fewer tiles run than S holds), a row with padded queries."""
+    B, T, S, H, N, R, L, V = 3, 4, 23, 2, 8, 4, 16, 8
+    ks = jax.random.split(jax.random.key(1), 5)
+    q_nope = jax.random.normal(ks[0], (B, T, H, N)) * 2
+    q_pe = jax.random.normal(ks[1], (B, T, H, R))
+    ckv = jax.random.normal(ks[2], (B, S, L))
+    kpe = jax.random.normal(ks[3], (B, S, R))
+    w_kvb = jax.random.normal(ks[4], (L, H * (N + V))) * 0.3
+    length = jnp.array([0, 6, 19], jnp.int32)
+    q_pos = length[:, None] + jnp.arange(T)[None]
+    kv_len = length + jnp.array([T, T, 2], jnp.int32)
+    u = mla.mla_attend_unabsorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, V)
+    t = jax.jit(mla.mla_attend_tiled, static_argnames=("v_dim", "tile"))(
+        q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, v_dim=V, tile=tile)
+    np.testing.assert_allclose(t, u, atol=1e-5, rtol=0)
+
+
 def test_mla_layer_absorbed_flag():
     cfg = kimi.KimiConfig.tiny()
     layer = layers.GatedMLA(cfg, rngs=nnx.Rngs(0))
@@ -195,3 +215,19 @@ def test_matmul_bf16_weights_round_inputs_and_accumulate_in_fp32(rows):
         assert got.dtype == jnp.float32 and got.shape == (1, rows, 48)
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
     assert np.abs(np.asarray(linear.matmul(x, wb)) - np.einsum("btk,kn->btn", x, w)).max() > 1e-3  # bf16 used
+
+
+def test_moe_path_under_mapped_rows():
+    """Mapped over n rows (the engine's vmap), the MoE path counts n x the rows and never one that skips work by a
+    per-row lax.cond ('used', 'all_or_used'), which vmap would run as every branch."""
+    assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "used"
+    with dispatch.mapped_rows(1):
+        assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "gathered"
+    with dispatch.mapped_rows(4):
+        assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "all"
+        assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all"
+        assert dispatch.moe_path(1, 2, 16, None) == "gathered"
+    assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all_or_used"
+    with pytest.raises(ValueError, match="mapped_rows"):
+        with dispatch.mapped_rows(0):
+            pass
