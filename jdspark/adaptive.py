@@ -8,7 +8,9 @@ drafts 1..k are all accepted. Verifying W tokens (the anchor and W - 1 drafts) c
 
 and a step of b rows at width W costs T(b, W) seconds (profiled at start-up, made monotone). The scheduler picks
 the width maximising expected committed tokens per second, sum_r E_r(W) / T(b, W), over the compiled widths
-(W = 1 is a plain decode step: no drafter pass at all).
+(W = 1 is a plain decode step: no drafter pass at all). Both inputs are corrected by what serving measures: the
+curves by the acceptance observed against them (``SurvivalTracker``'s calibration), the table by each step's own
+time (``SlotBackend`` keeps a running mean per (b, W) it ran).
 
 Lossless under sampling: the width of step t is chosen from the survival curves of step t - 1 (vLLM's rule), so
 it is fixed before step t's drafts are drawn and rejection sampling's output law is unchanged. (Choosing from the
@@ -23,7 +25,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["expected_tokens", "choose_width", "monotone_costs", "SurvivalTracker"]
+__all__ = ["expected_tokens", "choose_width", "monotone_costs", "calibrated", "SurvivalTracker"]
 
 
 def expected_tokens(survival_RG: np.ndarray, caps_R: np.ndarray, width: int) -> float:
@@ -69,24 +71,50 @@ def choose_width(survival_RG: np.ndarray, caps_R: np.ndarray, batch: int, widths
     return best
 
 
+def calibrated(survival_G: np.ndarray, ratio_G: np.ndarray) -> np.ndarray:
+    """a'_k = min_{j <= k} clip(a_j * ratio_j, 0, 1): the confidence head's curve rescaled per position by the
+    acceptance measured against it, kept non-increasing (a survival curve)."""
+    s = np.clip(np.asarray(survival_G, np.float64) * np.asarray(ratio_G, np.float64), 0.0, 1.0)
+    return np.minimum.accumulate(s)
+
+
 class SurvivalTracker:
     """The survival curve each slot's next step is scheduled from: its last drafted block's, or for a slot that
     has none yet (new, or last stepped plainly) a prior, the running mean of every slot's recent curves.
 
     ``prior`` starts at ones (optimistic: a new server verifies whole blocks until it has measured acceptance);
     ``relax`` pulls a slot that decodes plainly back toward the prior, step by step, so a slot whose traffic got
-    easier is tried again instead of staying plain forever."""
+    easier is tried again instead of staying plain forever.
 
-    def __init__(self, num_slots: int, block_size: int, *, momentum: float = 0.9, relax: float = 0.25):
+    Calibration: the confidence head is trained toward acceptance, not guaranteed to match it on this traffic.
+    Every verified block updates, per position k it verified, decayed sums of the predicted survival a_k and of
+    the outcome [accepted > k]; ratio_k = (hits_k + 1) / (predicted_k + 1) rescales later curves (``calibrated``).
+    The outcomes are those of finished steps, so a width chosen from them is still fixed before the next step's
+    drafts are drawn (lossless under sampling)."""
+
+    def __init__(self, num_slots: int, block_size: int, *, momentum: float = 0.9, relax: float = 0.25,
+                 calibration_decay: float = 0.99):
         self.prior = np.ones(block_size)
         self.curve_SG = np.ones((num_slots, block_size))
         self.momentum, self.relax = float(momentum), float(relax)
+        self.decay = float(calibration_decay)
+        self.predicted_G, self.hits_G = np.zeros(block_size), np.zeros(block_size)
+
+    @property
+    def ratio_G(self) -> np.ndarray:
+        return (self.hits_G + 1.0) / (self.predicted_G + 1.0)
 
     def reset(self, slot: int) -> None:
         self.curve_SG[slot] = self.prior
 
-    def observe(self, slot: int, survival_G: np.ndarray) -> None:
-        s = np.clip(np.asarray(survival_G, np.float64), 0.0, 1.0)
+    def observe(self, slot: int, survival_G: np.ndarray, drafted: int = None, accepted: int = None) -> None:
+        """A slot's block: its survival curve, and (when given) how many drafts were verified and accepted."""
+        raw = np.clip(np.asarray(survival_G, np.float64), 0.0, 1.0)
+        if drafted is not None and accepted is not None and drafted > 0:
+            d = int(drafted)
+            self.predicted_G[:d] = self.decay * self.predicted_G[:d] + raw[:d]
+            self.hits_G[:d] = self.decay * self.hits_G[:d] + (np.arange(d) < int(accepted))
+        s = calibrated(raw, self.ratio_G)
         self.curve_SG[slot] = s
         self.prior = self.momentum * self.prior + (1 - self.momentum) * s
 

@@ -304,15 +304,20 @@ def main(argv=None) -> int:
                     help="off: plain decoding for every request; fixed: verify the drafter's whole block; adaptive: "
                          "the default request mode picks each step's verify width (requests may ask 'fixed')")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
+                         "decides: chunks of 1024 above 4096 tokens)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
+    if a.prefill_chunk is not None and a.prefill_chunk < 0:
+        ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
     tdir, ddir = os.path.join(a.checkpoint, "target"), os.path.join(a.checkpoint, "drafter")
     target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": a.serving_dtype})
     drafter = load_drafter(ddir, target=target) if a.spec != "off" and os.path.isdir(ddir) else None
     tok = kimi.load_tokenizer(tdir, vocab_size=target.config.vocab_size)
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
-                          prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")],
+                          prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,

@@ -150,6 +150,8 @@ class SlotBackend:
         self.modes = ["fixed"] * self.num_slots  # per slot: "fixed" | "adaptive"
         self.tracker = SurvivalTracker(self.num_slots, max(self.G, 1))
         self.costs: dict = {}  # (batch bucket, width) -> seconds per step, measured by warm_up (monotone)
+        self.measured: dict = {}  # the raw table: warm_up's times, then a running mean of the steps served (a
+        # table set from outside, without warm_up, stays as it was set)
         self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
 
     # ------------------------------------------------------------------ Backend
@@ -207,6 +209,7 @@ class SlotBackend:
                                                                             np.int32)
         caps = self.params[rows, 3]
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
+        t0 = time.perf_counter()
         self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                 jnp.asarray(rows), jnp.asarray(self.params[rows, 0], jnp.float32),
                                 jnp.asarray(self.params[rows, 1], jnp.int32),
@@ -216,6 +219,10 @@ class SlotBackend:
         new, n_new, drafted, accepted, surv = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted,
                                                                out.survival))
         self.width_counts[W] += 1
+        key = (b, W)
+        if width is None and key in self.measured:  # serving: the table warm_up measured follows the steps served
+            self.measured[key] = 0.8 * self.measured[key] + 0.2 * (time.perf_counter() - t0)
+            self.costs = monotone_costs(self.measured)
         new = np.asarray(new).reshape(b, -1)
         n_new, drafted, accepted = (np.asarray(x).reshape(-1) for x in (n_new, drafted, accepted))
         res = {}
@@ -225,7 +232,7 @@ class SlotBackend:
             res[s] = StepOutput(new[i, :k].tolist(), drafted=int(drafted[i]), accepted=int(accepted[i]), verified=W)
             if self.params[s, 3] > 0:
                 if surv is not None:
-                    self.tracker.observe(s, np.asarray(surv)[i])
+                    self.tracker.observe(s, np.asarray(surv)[i], int(drafted[i]), int(accepted[i]))
                 else:
                     self.tracker.stepped_plain(s)
         return res
@@ -257,5 +264,6 @@ class SlotBackend:
             self.tracker.reset(s)
         self.tracker.prior[:] = 1.0
         self.width_counts.clear()
+        self.measured = dict(measured)
         self.costs = monotone_costs(measured) if measured else {}
         return dict(self.costs)

@@ -18,10 +18,11 @@ prefill runs once, each decode ``--repeats`` times from a copy of its stream (th
 memory of the process per phase: its VmHWM, reset before the phase (``/proc/self/clear_refs``; where that is
 refused, the process peak so far, ``peak_rss_reset: false``). ``cache_bytes``: the target's cache plus the drafter's
 context cache after the prefill; ``chunk_activation_bytes``: XLA's temporary buffers of the compiled prefill program
-(one chunk's activations when chunked; the whole prompt's in one pass). Decode tok/s exclude the prefill. One JSON
-line: ``{"lengths": [{"context", "drafter_window", "plain_tok_s", "spec_tok_s", "speedup", "accept_len",
-"prefill_tok_s", "peak_rss_prefill_bytes", "peak_rss_decode_bytes", "cache_bytes", "chunk_activation_bytes", ...},
-...]}``, one entry per length and window.
+(one chunk's activations when chunked; the whole prompt's in one pass); ``memory_ratio``: the prefill's growth of
+resident memory (``prefill_rss_growth_bytes``, peak minus the resident size before it) over those two together.
+Decode tok/s exclude the prefill. One JSON line: ``{"lengths": [{"context", "drafter_window", "plain_tok_s",
+"spec_tok_s", "speedup", "accept_len", "prefill_tok_s", "peak_rss_prefill_bytes", "peak_rss_decode_bytes",
+"cache_bytes", "chunk_activation_bytes", "memory_ratio", ...}, ...]}``, one entry per length and window.
 """
 
 from __future__ import annotations
@@ -198,6 +199,11 @@ def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=No
             "cache_bytes": t_cache + d_cache, "chunk_activation_bytes": int(mem.temp_size_in_bytes) if mem else None,
             "target_cache_bytes": t_cache, "drafter_cache_bytes": d_cache, "rss_before_prefill_bytes": rss_before,
             "plain_peak_rss_decode_bytes": plain["rss"], "prefill_chunk": chunk, "cache_positions": max_len,
+            # issue 18's bound: the prefill's growth of resident memory against the caches plus one chunk's
+            # activations (<= 1.5 is the bar)
+            "prefill_rss_growth_bytes": pre_rss - rss_before,
+            "memory_ratio": (pre_rss - rss_before) / max(t_cache + d_cache + int(mem.temp_size_in_bytes if mem
+                                                                                 else 0), 1),
             "new_tokens": int(toks.size), "per_position_accept": stats.per_position_accept,
             "lossless": bool(np.array_equal(toks, plain["tokens"])),
         })

@@ -40,6 +40,8 @@ def test_json_has_the_issue_keys(result):
     assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and 1.0 <= r["accept_len"] <= 5.0
     assert r["peak_rss_prefill_bytes"] > 0 and r["peak_rss_decode_bytes"] > 0 and r["chunk_activation_bytes"] > 0
     assert r["cache_bytes"] == r["target_cache_bytes"] + r["drafter_cache_bytes"]
+    assert r["memory_ratio"] == pytest.approx(r["prefill_rss_growth_bytes"] / (
+        r["cache_bytes"] + r["chunk_activation_bytes"]))
     dc = jdspark.DSparkConfig.for_target(kimi.KimiConfig.tiny(), block_size=4)
     ring = 2 * 16 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * 4  # k and v, fp32, 16 slots
     assert r["drafter_cache_bytes"] == ring + 4  # + the int32 length

@@ -72,3 +72,27 @@ def test_tracker():
     np.testing.assert_allclose(tr.curve_SG[0], [0.625, 0.4, 0.325])
     tr.reset(1)
     np.testing.assert_allclose(tr.curve_SG[1], tr.prior)
+
+
+def test_tracker_calibrates_an_overconfident_head():
+    """A head that predicts survival 0.9^k while drafts survive at 0.5^k: after enough verified blocks the curves
+    the scheduler reads are the measured ones (within the pseudo-count's pull), non-increasing, and a position
+    never verified keeps the head's own value."""
+    rng = np.random.default_rng(0)
+    G = 4
+    tr = SurvivalTracker(1, G, calibration_decay=0.999)
+    head = 0.9 ** np.arange(1, G + 1)
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 3 and rng.random() < 0.5:  # only 3 of the 4 positions verified (a width-4 step)
+            accepted += 1
+        tr.observe(0, head, drafted=3, accepted=accepted)
+    got = tr.curve_SG[0]
+    np.testing.assert_allclose(got[:3], 0.5 ** np.arange(1, 4), atol=0.03)
+    assert np.all(np.diff(got) <= 0)
+    assert got[3] <= got[2]  # the unverified position: the head's value (0.66) capped by the curve before it
+    # the width this drives: against a table where the whole block costs 2x a plain step, the calibrated curve
+    # (E(5) ~ 1.9 tokens) no longer pays for W = 5
+    costs = {(1, 1): 1.0, (1, 5): 2.0}
+    assert choose_width(head[None], np.array([G]), 1, (1, 5), costs)[0] == 5
+    assert choose_width(got[None], np.array([G]), 1, (1, 5), costs)[0] == 1

@@ -64,8 +64,10 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
     G = drafter.config.block_size
     be = backend
     # a cost table where verifying grows expensive with width, so the scheduler's choice moves with the survival
-    # curves (warm_up would measure this machine's, where the choice may sit at one width)
-    be.costs = monotone_costs({(4, w): 1.0 + 0.5 * (w - 1) for w in be.widths})
+    # curves (warm_up would measure this machine's, where the choice may sit at one width): the middle width pays
+    # once the calibrated curve's first drafts sum past 0.2, the whole block only past 1.5
+    cost = {1: 1.0, G + 1: 2.5}
+    be.costs = monotone_costs({(4, w): cost.get(w, 1.2) for w in be.widths})
     eng = Engine(be, tok, eos_token_id=target.config.eos_token_id, max_waiting=32).start()
     prompts = _prompts(20, 60, target.config.vocab_size)
     reqs = []
