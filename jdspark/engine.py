@@ -5,6 +5,9 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
 
     admits waiting requests into free slots (FIFO; the queue is bounded: ``QueueFull`` when it is full),
     steps the backend, appends each slot's committed tokens to its request,
+        (a backend with ``launch`` / ``collect`` is pipelined: step t + 1 is launched before step t's tokens are
+        committed, so host work overlaps the device; a request that ended at step t had a row in step t + 1,
+        whose tokens are dropped)
     ends a request on EOS (unless ``ignore_eos``), a stop string, ``max_tokens`` or cancellation, frees its slot,
     and hands each request its events (text deltas decoded incrementally, never a broken character).
 
@@ -165,10 +168,12 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop (engine thread)
     def _run(self) -> None:
+        pending = None  # (handle, {slot: request}) of a launched step not yet committed (pipelined backends)
+        pipelined = hasattr(self.backend, "launch") and hasattr(self.backend, "collect")
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self.waiting and not any(self.slots):
+                    while not self._stop and not self.waiting and not any(self.slots) and pending is None:
                         self._cv.wait()
                     if self._stop:
                         return
@@ -193,7 +198,15 @@ class Engine:
                         continue
                     self._commit(s, req, first, prefill=True)
                 active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
-                if active:
+                if pipelined:  # launch this step, then commit the previous one's tokens while it computes
+                    launched = (self.backend.launch(active), {s: self.slots[s] for s in active}) if active else None
+                    if pending is not None:
+                        outs = self.backend.collect(pending[0])
+                        for s, req in pending[1].items():
+                            if self.slots[s] is req:  # not a request that ended (and maybe left its slot) since
+                                self._commit(s, req, outs[s])
+                    pending = launched
+                elif active:
                     outs = self.backend.step(active)
                     for s in active:
                         self._commit(s, self.slots[s], outs[s])

@@ -150,6 +150,8 @@ class SlotBackend:
         self.modes = ["fixed"] * self.num_slots  # per slot: "fixed" | "adaptive"
         self.tracker = SurvivalTracker(self.num_slots, max(self.G, 1))
         self.costs: dict = {}  # (batch bucket, width) -> seconds per step, measured by warm_up (monotone)
+        self.inserts = [0] * self.num_slots  # prefills per slot: a step launched before one is stale for it
+        self._last_done = 0.0
         self.measured: dict = {}  # the raw table: warm_up's times, then a running mean of the steps served (a
         # table set from outside, without warm_up, stays as it was set)
         self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
@@ -178,6 +180,7 @@ class SlotBackend:
         self.params[slot] = (req.temperature, req.top_k, req.top_p, cap)
         self.modes[slot] = mode
         self.tracker.reset(slot)
+        self.inserts[slot] += 1
         self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                     jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
                                     jax.random.key(req.seed), jnp.float32(req.temperature),
@@ -201,6 +204,11 @@ class SlotBackend:
         return next(x for x in self.batch_buckets if x >= n)
 
     def step(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
+        return self.collect(self.launch(slots, width))
+
+    def launch(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
+        """Dispatch one step of ``slots`` without waiting for it (JAX runs it asynchronously): the engine commits
+        the previous step's tokens on the host while this one computes. Returns the handle ``collect`` reads."""
         slots = list(slots)
         b = self._bucket(len(slots))
         # the largest bucket steps every slot in slot order (free slots too: their rows are reset on insert)
@@ -209,28 +217,39 @@ class SlotBackend:
                                                                             np.int32)
         caps = self.params[rows, 3]
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
-        t0 = time.perf_counter()
+        launched = time.perf_counter()
         self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                 jnp.asarray(rows), jnp.asarray(self.params[rows, 0], jnp.float32),
                                 jnp.asarray(self.params[rows, 1], jnp.int32),
                                 jnp.asarray(self.params[rows, 2], jnp.float32),
                                 jnp.asarray(caps, jnp.int32), width=W, confidence=self.adaptive and W > 1,
                                 all_slots=all_slots)
+        self.width_counts[W] += 1
+        return {"out": out, "slots": slots, "b": b, "W": W, "all_slots": all_slots, "launched": launched,
+                "timed": width is None, "inserts": [self.inserts[s] for s in slots]}
+
+    def collect(self, h: dict) -> dict:
+        """Wait for a launched step and return {slot: StepOutput}. A slot prefilled again since the launch (its
+        request ended and another took it) still gets its row, which the engine drops; the scheduler ignores it."""
+        out = h["out"]
         new, n_new, drafted, accepted, surv = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted,
                                                                out.survival))
-        self.width_counts[W] += 1
+        done = time.perf_counter()
+        b, W = h["b"], h["W"]
         key = (b, W)
-        if width is None and key in self.measured:  # serving: the table warm_up measured follows the steps served
-            self.measured[key] = 0.8 * self.measured[key] + 0.2 * (time.perf_counter() - t0)
+        if h["timed"] and key in self.measured:  # serving: the table warm_up measured follows the steps served
+            seconds = done - max(h["launched"], self._last_done)  # a pipelined step starts when the last ended
+            self.measured[key] = 0.8 * self.measured[key] + 0.2 * seconds
             self.costs = monotone_costs(self.measured)
+        self._last_done = done
         new = np.asarray(new).reshape(b, -1)
         n_new, drafted, accepted = (np.asarray(x).reshape(-1) for x in (n_new, drafted, accepted))
         res = {}
-        for j, s in enumerate(slots):
-            i = s if all_slots else j
+        for j, (s, ins) in enumerate(zip(h["slots"], h["inserts"])):
+            i = s if h["all_slots"] else j
             k = int(n_new[i])
             res[s] = StepOutput(new[i, :k].tolist(), drafted=int(drafted[i]), accepted=int(accepted[i]), verified=W)
-            if self.params[s, 3] > 0:
+            if self.params[s, 3] > 0 and ins == self.inserts[s]:
                 if surv is not None:
                     self.tracker.observe(s, np.asarray(surv)[i], int(drafted[i]), int(accepted[i]))
                 else:

@@ -1,0 +1,39 @@
+"""scripts/bench_slots.py on a tiny random pair: one JSON line with a step time per (rows, batch, width), and the
+cache bound checked before anything runs."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jdspark
+import kimi
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import bench_slots  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg = kimi.KimiConfig.tiny()
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
+                                    rngs=nnx.Rngs(1))
+    return target, drafter
+
+
+def test_step_times_per_batch_and_width(pair):
+    prompts = [list(np.random.default_rng(i).integers(4, 200, 12)) for i in range(2)]
+    res = bench_slots.run(*pair, prompts, slots=2, max_len=64, batches=[1, 2], widths=[1, 4], iters=2, repeats=1)
+    got = {(r["rows"], r["batch"], r["width"]) for r in res["steps"]}
+    assert got == {(n, b, w) for n in ("greedy", "sampled") for b in (1, 2) for w in (1, 4)}
+    for r in res["steps"]:
+        assert r["step_ms"] > 0 and r["per_token_ms"] == pytest.approx(r["step_ms"] / r["batch"])
+    assert res["generate_plain_ms"] > 0
+    json.dumps(res)
+    with pytest.raises(ValueError, match="overflow"):
+        bench_slots.run(*pair, prompts, slots=2, max_len=40, batches=[1], widths=[4], iters=8, repeats=1)
