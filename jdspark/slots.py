@@ -40,6 +40,11 @@ from kimi.prefill import chunked_positions
 
 __all__ = ["SlotBackend", "buckets_up_to"]
 
+# Adaptive verification re-times a width the scheduler has not picked at a batch bucket for this many of its steps
+# (one step at that width): the cost table only learns from steps it runs, and warm_up's single timing of a width
+# can be off (this machine's load varies), which would otherwise keep that width out for good.
+EXPLORE_EVERY = 64
+
 
 def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     """Powers of two from ``smallest`` up to and including n."""
@@ -152,6 +157,8 @@ class SlotBackend:
         self.costs: dict = {}  # (batch bucket, width) -> seconds per step, measured by warm_up (monotone)
         self.inserts = [0] * self.num_slots  # prefills per slot: a step launched before one is stale for it
         self._last_done = 0.0
+        self._adaptive_steps: dict = {}  # batch bucket -> adaptive steps scheduled; (b, W) -> the step W last ran
+        self._last_run: dict = {}
         self.measured: dict = {}  # the raw table: warm_up's times, then a running mean of the steps served (a
         # table set from outside, without warm_up, stays as it was set)
         self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
@@ -198,7 +205,17 @@ class SlotBackend:
         if not self.costs:
             raise RuntimeError("adaptive verification needs the step costs: call warm_up() first")
         b = self._bucket(len(slots))
+        if self.measured:  # a width not run at this bucket for EXPLORE_EVERY steps is run once, to re-time it
+            self._adaptive_steps[b] = self._adaptive_steps.get(b, 0) + 1
+            stale = [w for w in self.widths
+                     if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > EXPLORE_EVERY]
+            if stale:
+                return stale[0]
         return choose_width(self.tracker.curve_SG[list(slots)], caps, b, self.widths, self.costs)[0]
+
+    def ran(self, b: int, W: int) -> None:
+        """Bookkeeping of a step launched at batch bucket b and width W (for ``EXPLORE_EVERY``)."""
+        self._last_run[(b, W)] = self._adaptive_steps.get(b, 0)
 
     def _bucket(self, n: int) -> int:
         return next(x for x in self.batch_buckets if x >= n)
@@ -225,6 +242,7 @@ class SlotBackend:
                                 jnp.asarray(caps, jnp.int32), width=W, confidence=self.adaptive and W > 1,
                                 all_slots=all_slots)
         self.width_counts[W] += 1
+        self.ran(b, W)
         return {"out": out, "slots": slots, "b": b, "W": W, "all_slots": all_slots, "launched": launched,
                 "timed": width is None, "inserts": [self.inserts[s] for s in slots]}
 

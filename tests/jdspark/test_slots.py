@@ -119,3 +119,32 @@ def test_sampled_slot_equals_generate(pair, backend):
     ref = jdspark.generate(target, drafter, np.array(ids), max_new_tokens=MAX_NEW, seed=1, temperature=1.0,
                            top_p=0.95, eos_token_id=-1)
     assert out[:MAX_NEW] == list(ref.tokens)
+
+
+def test_adaptive_re_times_a_width_it_has_not_run(backend):
+    """With a table that always prefers the whole block, every other width is still run once per EXPLORE_EVERY
+    steps (so a width warm_up timed badly is re-timed), and the scheduler's pick the rest of the time."""
+    from jdspark.slots import EXPLORE_EVERY
+
+    be = backend
+    G = be.G
+    saved = (dict(be.costs), dict(be.measured), dict(be._adaptive_steps), dict(be._last_run), list(be.modes),
+             be.params.copy(), be.tracker.curve_SG.copy())
+    try:
+        be.costs = monotone_costs({(4, w): 1.0 for w in be.widths})
+        be.measured = dict(be.costs)
+        be._adaptive_steps, be._last_run = {}, {}
+        for s in range(4):
+            be.params[s, 3], be.modes[s] = G, "adaptive"
+        be.tracker.curve_SG[:4] = 0.9
+        picks = []
+        for _ in range(3 * EXPLORE_EVERY):
+            w = be.choose_width([0, 1, 2, 3])
+            be.ran(4, w)
+            picks.append(w)
+        others = [w for w in picks if w != G + 1]
+        assert sorted(set(others)) == [w for w in be.widths if w != G + 1]
+        assert len(others) <= 3 * len(be.widths)  # a few re-timing steps, not a change of policy
+    finally:
+        (be.costs, be.measured, be._adaptive_steps, be._last_run, be.modes, be.params,
+         be.tracker.curve_SG) = saved
