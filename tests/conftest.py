@@ -84,7 +84,7 @@ _LONGEST_FIRST = (
     "kimi/test_kernels_pallas.py", "jdspark/test_slots.py", "jdspark/test_shipped_pair.py", "test_train_target.py",
     "jdspark/test_generate_lossless.py", "kimi/test_prefill.py", "sharding/test_sharded_model.py",
     "kimi/test_model.py", "parity/test_transformers_kimi_linear.py", "test_bench_long.py",
-    "jdspark/test_distill_corpus.py",
+    "jdspark/test_distill_corpus.py", "jdspark/test_sampling_rows.py",
 )
 
 
