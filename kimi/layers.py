@@ -280,6 +280,15 @@ class KimiDeltaAttention(nnx.Module):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Gated NoPE MLA
+def write_stacked(cache_NBSX, slot: int, new_BTX, start_B):
+    """cache[slot, b, start_b : start_b + T] = new[b] for every row b (one ``dynamic_update_slice`` per row, on
+    the stacked array, so XLA can update it in place; B is static and small: a decode batch or a serving slot)."""
+    new = new_BTX.astype(cache_NBSX.dtype)
+    for b in range(new.shape[0]):
+        cache_NBSX = jax.lax.dynamic_update_slice(cache_NBSX, new[b][None, None], (slot, b, start_B[b], 0))
+    return cache_NBSX
+
+
 class GatedMLA(nnx.Module):
     """MLA with q LoRA, a latent KV cache of (kv_lora_rank + rope) values per token and a sigmoid output gate."""
 
@@ -304,9 +313,13 @@ class GatedMLA(nnx.Module):
         q = ("q_proj",) if self.cfg.q_lora_rank is None else ("q_a_proj",)
         return q + ("kv_a_proj_with_mqa",) + (("g_proj",) if self.cfg.mla_use_output_gate else ())
 
-    def __call__(self, x_BTD, ckv_BSL, kpe_BSR, length_B, absorbed: bool):
-        """Writes this chunk's latents at [length, length + T) and attends over the cache. Returns
-        (y_BTD, ckv_BSL, kpe_BSR)."""
+    def __call__(self, x_BTD, ckv_NBSL, kpe_NBSR, slot: int, length_B, absorbed: bool):
+        """Writes this chunk's latents at [length, length + T) of entry ``slot`` (static) of the stacked latent
+        caches [n_mla, B, S, .] and attends over that entry. Returns (y_BTD, ckv_NBSL, kpe_NBSR).
+
+        The write goes into the stacked arrays themselves, before the attention reads them: slicing a layer's
+        cache out, writing the slice and stacking the layers again made XLA copy every layer's whole cache on
+        every decode step (at 32K positions most of a step's time)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, N, R, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -322,9 +335,9 @@ class GatedMLA(nnx.Module):
             q_pe = rope_neox(q_pe.astype(jnp.float32), pos_BT, cfg.rope_theta).astype(q_pe.dtype)
             kpe_new = rope_neox(kpe_new.astype(jnp.float32)[:, :, None], pos_BT, cfg.rope_theta)[:, :, 0].astype(
                 kpe_new.dtype)
-        write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0)))
-        ckv_BSL = write(ckv_BSL, ckv_new, length_B)
-        kpe_BSR = write(kpe_BSR, kpe_new, length_B)
+        ckv_NBSL = write_stacked(ckv_NBSL, slot, ckv_new, length_B)
+        kpe_NBSR = write_stacked(kpe_NBSR, slot, kpe_new, length_B)
+        ckv_BSL, kpe_BSR = ckv_NBSL[slot], kpe_NBSR[slot]
         args = (q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
         tile = None if absorbed else dispatch.mla_key_tile(ckv_BSL.shape[1])
         if absorbed:
@@ -336,7 +349,7 @@ class GatedMLA(nnx.Module):
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
             o = o * jax.nn.sigmoid(gate_in[0].astype(jnp.float32))
-        return self.o_proj(o.astype(x_BTD.dtype)), ckv_BSL, kpe_BSR
+        return self.o_proj(o.astype(x_BTD.dtype)), ckv_NBSL, kpe_NBSR
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -142,7 +142,7 @@ class KimiForCausalLM(nnx.Module):
         taps = {}
         kda_state, conv_state = cache.kda_state, cache.conv_state
         ckv, kpe = cache.mla_ckv, cache.mla_kpe
-        new_kda, new_conv, new_ckv, new_kpe, all_states, all_convs = [], [], [], [], [], []
+        new_kda, new_conv, all_states, all_convs = [], [], [], []
         if use_res:
             blocks_BTND = jnp.zeros((B, T, cfg.num_attn_res_blocks, cfg.hidden_size), x_BTD.dtype)
             n_blocks = 0
@@ -174,9 +174,7 @@ class KimiForCausalLM(nnx.Module):
                     all_convs.append(out.convs_BTWC)
                 i_kda += 1
             else:
-                a, c1, c2 = layer.self_attn(hn, ckv[i_mla], kpe[i_mla], cache.length, absorbed=mode != "prefill")
-                new_ckv.append(c1)
-                new_kpe.append(c2)
+                a, ckv, kpe = layer.self_attn(hn, ckv, kpe, i_mla, cache.length, absorbed=mode != "prefill")
                 i_mla += 1
             if use_res:
                 prefix = a if prefix is None else prefix + a
@@ -201,7 +199,7 @@ class KimiForCausalLM(nnx.Module):
 
         new_cache = KimiCache(
             kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
-            mla_ckv=stack(new_ckv, ckv), mla_kpe=stack(new_kpe, kpe),
+            mla_ckv=ckv, mla_kpe=kpe,
             length=cache.length + (T if valid_len_B is None else valid_len_B.astype(jnp.int32)))
         new_cache = self.partition.constrain_cache(new_cache)  # a sharded cache keeps its layout
         out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,

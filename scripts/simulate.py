@@ -180,12 +180,13 @@ def compile_layer(kind: str, cfg, mesh, rules, batch: int, context: int) -> dict
         fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(x_sh, s_sh, c_sh))
         args = (state, x, s, c)
     elif kind == "mla":
-        ckv, ckv_sh = arg((B, context, cfg.kv_lora_rank), dt, ca["mla_ckv"][1:], "mla_ckv")
-        kpe, kpe_sh = arg((B, context, cfg.qk_rope_head_dim), dt, ca["mla_kpe"][1:], "mla_kpe")
+        # the layer writes into the stacked latent caches [n_mla, B, S, .]: here a stack of one
+        ckv, ckv_sh = arg((1, B, context, cfg.kv_lora_rank), dt, ca["mla_ckv"], "mla_ckv")
+        kpe, kpe_sh = arg((1, B, context, cfg.qk_rope_head_dim), dt, ca["mla_kpe"], "mla_kpe")
         ln, _ = arg((B,), jnp.int32, ca["length"], "length")
 
         def step(st, x, ckv, kpe, ln):
-            return nnx.merge(graphdef, st)(x, ckv, kpe, ln, absorbed=True)
+            return nnx.merge(graphdef, st)(x, ckv, kpe, 0, ln, absorbed=True)
 
         fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(x_sh, ckv_sh, kpe_sh))
         args = (state, x, ckv, kpe, ln)

@@ -75,8 +75,12 @@ def mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_po
     scale = (N + R) ** -0.5
     logits = _rope_logits(jnp.einsum("bthl,bsl->bhts", q_lat_BTHL, ckv_BSL.astype(f32)), q_pe_BTHR, kpe_BSR)
     p = _softmax_masked(logits * scale, attention_mask_BTS(q_pos_BT, kv_len_B, S))
-    o_lat_BTHL = jnp.einsum("bhts,bsl->bthl", p, ckv_BSL.astype(f32))
-    return jnp.einsum("bthl,hvl->bthv", o_lat_BTHL, w_uv_HVL)
+    B, T = q_pos_BT.shape
+    # o_lat = p @ c_kv as one [B, H*T, S] x [B, S, L] product with the keys' axis contracted where it lies: written
+    # as the einsum "bhts,bsl->bthl", XLA:CPU transposed the whole cache to [L, S] on every step (2.3x the time)
+    o_lat_BQL = jax.lax.dot_general(p.reshape(B, H * T, S), ckv_BSL.astype(f32), (((2,), (1,)), ((0,), (0,))))
+    o_lat_BHTL = o_lat_BQL.reshape(B, H, T, -1)
+    return jnp.einsum("bhtl,hvl->bthv", o_lat_BHTL, w_uv_HVL)
 
 
 
