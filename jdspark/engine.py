@@ -45,6 +45,7 @@ class SamplingRequest:
     seed: int = 0
     speculative: bool = True
     spec_mode: Optional[str] = None  # "fixed" | "adaptive" | None (the server's default)
+    images: Optional[object] = None  # kimi.image.VisionInput; prompt_ids holds its placeholders expanded
 
 
 @dataclasses.dataclass

@@ -3,7 +3,8 @@
     python -m jdspark.serve --checkpoint checkpoints/default --slots 16 --port 8000     # also `make serve`
 
 Endpoints: ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions`` (the checkpoint's
-chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``), ``GET /v1/models``, ``GET /health`` (503 until every
+chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``; ``image_url`` parts with ``data:`` URIs when the checkpoint
+has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``GET /health`` (503 until every
 program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
 decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
 ``accept_len``). Bad input gets ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an
@@ -30,6 +31,7 @@ import kimi
 from jdspark.drafter import load_drafter
 from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
+from jdspark.serve_media import MediaError, encode_with_images, message_text
 from jdspark.serve_metrics import ServeMetrics
 from jdspark.slots import SlotBackend
 
@@ -60,31 +62,19 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
     return v
 
 
-def _message_text(m: dict, i: int):
-    """A message's content as text: a string, or OpenAI content parts (``{"type": "text", "text": ...}`` joined in
-    order). An ``image_url`` part is refused by name: this engine serves text prompts (a checkpoint's vision tower
-    is used by ``jdspark.generate(images=...)``, not by the slots yet)."""
-    c = m.get("content")
-    if not isinstance(c, list):
-        return c
-    out = []
-    for j, part in enumerate(c):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            out.append(part["text"])
-        elif kind in ("image_url", "input_image", "image"):
-            raise ApiError(400, f"messages[{i}].content[{j}]: image input is not served by this server (the serving "
-                           "engine takes text prompts; the checkpoint's vision tower, if any, is used by "
-                           "jdspark.generate(images=...))", "messages", code="unsupported_content")
-        else:
-            raise ApiError(400, f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': str}}", "messages")
-    return "".join(out)
-
-
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
-                     spec_modes: tuple = ("fixed", "adaptive")) -> tuple:
-    """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError."""
+                     spec_modes: tuple = ("fixed", "adaptive"), vision=None) -> tuple:
+    """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError.
+    ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
+    or None (text-only: an image part is a 400 naming that)."""
+    try:
+        return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision)
+    except MediaError as e:
+        raise ApiError(400, e.message, e.param, code=e.code) from None
+
+
+def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -95,15 +85,24 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-        msgs = [{"role": m["role"], "content": _message_text(m, i)} if isinstance(m, dict) else m
-                for i, m in enumerate(msgs)]
+        msgs, images = list(msgs), []
+        for i, m in enumerate(msgs):
+            if isinstance(m, dict):
+                text, imgs = message_text(m.get("content"), i, vision)
+                msgs[i] = {"role": m.get("role"), "content": text}
+                images += imgs
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
-        ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True), allow_special=True)
+        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        if images:
+            ids, vin = encode_with_images(tokenizer, rendered, images, vision)
+        else:
+            ids = tokenizer.encode(rendered, allow_special=True)
         if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
             ids = [tokenizer.bos_id] + ids
     else:
+        vin = None
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt")
         prompt = body["prompt"]
@@ -151,13 +150,13 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
-                         int(seed), bool(speculative), spec_mode)
+                         int(seed), bool(speculative), spec_mode, images=vin)
     return sp, stop, ignore_eos, stream, include_usage
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
               is_ready=lambda: True, max_prompt: Optional[int] = None,
-              spec_modes: tuple = ("fixed", "adaptive")) -> FastAPI:
+              spec_modes: tuple = ("fixed", "adaptive"), vision=None) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
 
     def err(e: ApiError):
@@ -190,7 +189,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         try:
             sp, stop, ignore_eos, stream, include_usage = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
-                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes)
+                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision)
         except ApiError as e:
             return err(e)
         loop = asyncio.get_running_loop()
@@ -333,7 +332,7 @@ def main(argv=None) -> int:
     app = build_app(engine, tok, model_name=name, vocab_size=target.config.vocab_size,
                     max_context=a.max_len - backend.G - 1, metrics=metrics, is_ready=ready.is_set,
                     max_prompt=backend.prompt_buckets[-1],
-                    spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",))
+                    spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

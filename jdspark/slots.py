@@ -77,10 +77,12 @@ def _merge(graph: Optional[_Static], state):
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk"), donate_argnames=("state",))
 def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-            *, max_len, chunk=None):
+            media_PD=None, *, max_len, chunk=None):
+    """Prefill one request into ``slot``. ``media_PD``: the prompt's image features, padded to the prompt bucket
+    (a prompt of P tokens holds at most P placeholders), so one program serves every image prompt of a bucket."""
     target, drafter = _merge(t_graph, t_state), _merge(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
-    row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk)
+    row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return state, first
 
@@ -118,7 +120,7 @@ class SlotBackend:
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         self.target, self.drafter = serving_pair(target, drafter)
-        self.cfg = target.config
+        self.source, self.cfg = target, target.config  # source: the loaded target (its vision tower encodes images)
         self.num_slots, self.max_len = int(num_slots), int(max_len)
         self.prompt_buckets = tuple(sorted(int(b) for b in prompt_buckets))
         self.G = drafter.config.block_size if drafter is not None else 0
@@ -188,12 +190,28 @@ class SlotBackend:
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
+        media = self._media(req, P)
+        # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
+        chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
         self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                     jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
                                     jax.random.key(req.seed), jnp.float32(req.temperature),
-                                    jnp.int32(req.top_k), jnp.float32(req.top_p), max_len=self.max_len,
-                                    chunk=dispatch.prefill_chunk(P, self.prefill_chunk))
+                                    jnp.int32(req.top_k), jnp.float32(req.top_p), media, max_len=self.max_len,
+                                    chunk=chunk)
         return StepOutput([int(np.asarray(first)[0])])
+
+    def _media(self, req: SamplingRequest, P: int):
+        """The request's image features padded to [P, D] (rows past its M placeholders unused), or None for a
+        text prompt. Encoded by the checkpoint's own target (fp32, as ``jdspark.generate(images=...)``): the
+        vision tower compiles once per distinct image grid, outside the slots' programs."""
+        if req.images is None:
+            return None
+        if self.cfg.vision is None:
+            raise ValueError("images: this checkpoint is text-only (its config has no vision_config)")
+        feats = np.asarray(self.source.image_features(np.asarray(req.prompt_ids), req.images), np.float32)
+        out = np.zeros((P, feats.shape[1]), np.float32)
+        out[:feats.shape[0]] = feats
+        return jnp.asarray(out)
 
     def choose_width(self, slots: Sequence[int]) -> int:
         """The verify width of the next step of ``slots`` (see the module docstring)."""
@@ -283,6 +301,12 @@ class SlotBackend:
         table the scheduler reads. Returns the table {(batch, width): seconds}."""
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
+            if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
+                self.state, _ = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
+                                        jnp.int32(0), jnp.full((1, P), self.cfg.bos_token_id, jnp.int32),
+                                        jnp.int32(P), jax.random.key(0), jnp.float32(0), jnp.int32(0),
+                                        jnp.float32(1), jnp.zeros((P, self.cfg.hidden_size), jnp.float32),
+                                        max_len=self.max_len, chunk=None)
         measured = {}
         for b in self.batch_buckets:
             for w in self.widths:

@@ -133,13 +133,31 @@ def rope_pairs(x_NHK, angles_NJ):
     return jnp.stack([a * c - b * s, a * s + b * c], -1).reshape(N, H, K).astype(x_NHK.dtype)
 
 
-def segment_attention(q_NHK, k_NHK, v_NHK, seg_N):
-    """softmax(q k^T / sqrt(K) + mask) v with mask -inf between patches of different clips; fp32 softmax."""
+def full_attention(q_NHK, k_NHK, v_NHK, mask_NN=None):
+    """softmax(q k^T / sqrt(K) + mask) v over one sequence (mask: -inf where False); fp32 softmax."""
     s_HNN = jnp.einsum("nhk,mhk->hnm", q_NHK.astype(jnp.float32), k_NHK.astype(jnp.float32))
     s_HNN = s_HNN / math.sqrt(q_NHK.shape[-1])
-    same_NN = seg_N[:, None] == seg_N[None, :]
-    p_HNN = jax.nn.softmax(jnp.where(same_NN[None], s_HNN, -jnp.inf), axis=-1)
+    if mask_NN is not None:
+        s_HNN = jnp.where(mask_NN[None], s_HNN, -jnp.inf)
+    p_HNN = jax.nn.softmax(s_HNN, axis=-1)
     return jnp.einsum("hnm,mhk->nhk", p_HNN, v_NHK.astype(jnp.float32)).astype(q_NHK.dtype)
+
+
+def segment_attention(q_NHK, k_NHK, v_NHK, seg_N):
+    """The packed reference: attention over all N patches with -inf between patches of different clips."""
+    return full_attention(q_NHK, k_NHK, v_NHK, seg_N[:, None] == seg_N[None, :])
+
+
+def clip_attention(q_NHK, k_NHK, v_NHK, grid: Grid):
+    """``segment_attention`` clip by clip, what the tower runs: each clip's patches (static offsets from the grid)
+    attend among themselves only, so the scores are [H, n_i, n_i] per clip instead of [H, N, N] for the packed
+    sequence (a batch of large images no longer costs N^2 memory, and no score is computed only to be masked)."""
+    out, start = [], 0
+    for t, h, w in grid:
+        n = t * h * w
+        out.append(full_attention(q_NHK[start:start + n], k_NHK[start:start + n], v_NHK[start:start + n]))
+        start += n
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)
 
 
 def temporal_spatial_merge(x_ND, grid: Grid, kernel: tuple[int, int]):
@@ -227,11 +245,11 @@ class Block(nnx.Module):
         self.wo = Linear(vcfg.qkv_dim, vcfg.hidden_size, dtype=dtype, rngs=rngs, use_bias=True)
         self.mlp = MLP(vcfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x_ND, angles_NJ, seg_N):
+    def __call__(self, x_ND, angles_NJ, grid: Grid):
         N, H, K = x_ND.shape[0], self.vcfg.num_attention_heads, self.vcfg.head_dim
         qkv = self.wqkv(self.norm0(x_ND)).reshape(N, 3, H, K)
         q, k, v = rope_pairs(qkv[:, 0], angles_NJ), rope_pairs(qkv[:, 1], angles_NJ), qkv[:, 2]
-        x_ND = x_ND + self.wo(segment_attention(q, k, v, seg_N).reshape(N, H * K))
+        x_ND = x_ND + self.wo(clip_attention(q, k, v, grid).reshape(N, H * K))
         return x_ND + self.mlp(self.norm1(x_ND))
 
 
@@ -255,9 +273,8 @@ class MoonViT(nnx.Module):
         x_ND = self.patch_embed.proj(patches_NX.astype(self.patch_embed.proj.kernel.dtype))
         x_ND = x_ND + self.patch_embed.pos_emb(grid).astype(x_ND.dtype)
         angles_NJ = jnp.asarray(rope_angles_N(grid, vcfg.head_dim, vcfg.rope_theta))
-        seg_N = jnp.asarray(segment_ids_N(grid))
         for block in self.encoder.blocks:
-            x_ND = block(x_ND, angles_NJ, seg_N)
+            x_ND = block(x_ND, angles_NJ, grid)
         return self.encoder.final_layernorm(x_ND)
 
     def __call__(self, patches_NX, grid: Grid):

@@ -89,13 +89,14 @@ def test_chat_completion_streamed_and_not(srv):
         chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln and ln != "data: [DONE]"]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected_text(prompt, 5)
-    # OpenAI content parts: text parts joined; an image part is refused by name
+    # OpenAI content parts: text parts joined; an image part for this text-only checkpoint is refused by name
     parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
     r2 = httpx.post(srv.url + "/v1/chat/completions", json={"messages": parts, "max_tokens": 5}).json()
     assert r2["choices"][0]["message"]["content"] == expected_text(prompt, 5)
     img = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
     r3 = httpx.post(srv.url + "/v1/chat/completions", json={"messages": img, "max_tokens": 5})
-    assert r3.status_code == 400 and "image input is not served" in r3.json()["error"]["message"]
+    assert r3.status_code == 400 and "text-only" in r3.json()["error"]["message"]
+    assert r3.json()["error"]["code"] == "unsupported_content"
 
 
 BAD = [

@@ -85,6 +85,21 @@ def _reference_k3(tower, projector, images_CHW, vcfg: VisionConfig):
     return torch.cat(outs).numpy()
 
 
+def test_clip_attention_equals_the_packed_masked_reference():
+    """The tower attends clip by clip; the packed form (all patches, -inf across clips) is the reference. Three
+    clips of different sizes, one a 2-frame video: a wrong offset or a clip attending past its end changes rows."""
+    import jax
+    from kimi.vision import clip_attention, segment_attention, segment_ids_N
+    grid = ((1, 2, 3), (2, 2, 2), (1, 4, 1))
+    N = sum(t * h * w for t, h, w in grid)
+    q, k, v = (jax.random.normal(jax.random.key(i), (N, 2, 8)) for i in range(3))
+    want = np.asarray(segment_attention(q, k, v, jax.numpy.asarray(segment_ids_N(grid))))
+    got = np.asarray(clip_attention(q, k, v, grid))
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    merged = np.asarray(clip_attention(q, k, v, ((1, 2, 3), (1, 4, 3))))  # clips 2 and 3 as one: differs
+    assert np.abs(merged[6:] - want[6:]).max() > 1e-3
+
+
 def test_k3_variant_matches_a_reference_from_the_description():
     vcfg = K3_TINY
     tower, projector = MoonViT(vcfg, rngs=nnx.Rngs(0)), Projector(vcfg, 20, rngs=nnx.Rngs(1))
