@@ -89,6 +89,7 @@ def test_clip_attention_equals_the_packed_masked_reference():
     """The tower attends clip by clip; the packed form (all patches, -inf across clips) is the reference. Three
     clips of different sizes, one a 2-frame video: a wrong offset or a clip attending past its end changes rows."""
     import jax
+
     from kimi.vision import clip_attention, segment_attention, segment_ids_N
     grid = ((1, 2, 3), (2, 2, 2), (1, 4, 1))
     N = sum(t * h * w for t, h, w in grid)
