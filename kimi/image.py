@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -154,13 +154,21 @@ def preprocess(images, vcfg: VisionConfig, max_patches: int = MAX_PATCHES, max_s
     return VisionInput(np.concatenate(pixels), np.asarray(grids, np.int64))
 
 
-def preprocess_video(frames, vcfg: VisionConfig, max_patches: int = 4096, max_side: int = MAX_SIDE) -> VisionInput:
-    """One clip of t frames (t <= ``pos_emb_time``; PIL or HWC uint8 each) -> VisionInput with grid (t, h, w)."""
-    if not 1 <= len(frames) <= vcfg.pos_emb_time:
-        raise ValueError(f"video: {len(frames)} frames; a clip holds 1..pos_emb_time={vcfg.pos_emb_time}")
+def preprocess_video(frames, vcfg: VisionConfig, max_patches: int = 4096, max_side: int = MAX_SIDE,
+                     temporal_patch_size: Optional[int] = None) -> VisionInput:
+    """A video (a sequence of PIL or HWC uint8 frames, all one size) -> VisionInput with one clip per chunk of
+    ``temporal_patch_size`` consecutive frames (default ``pos_emb_time``; the last chunk may be shorter), each
+    grid (t, h, w), as ``Kimi_K25VideoProcessor`` chunks a video (its frames resized and padded as an image's)."""
+    tps = vcfg.pos_emb_time if temporal_patch_size is None else int(temporal_patch_size)
+    if not 1 <= tps <= vcfg.pos_emb_time:
+        raise ValueError(f"temporal_patch_size: {tps}; a clip holds 1..pos_emb_time={vcfg.pos_emb_time} frames")
+    if not len(frames):
+        raise ValueError("video: no frames")
     arr = _prepare([image_array(f, vcfg.in_channels) for f in frames], vcfg, max_patches, max_side)
     p = vcfg.patch_size
-    return VisionInput(_patchify(arr, p), np.asarray([(len(frames), arr.shape[2] // p, arr.shape[3] // p)], np.int64))
+    chunks = [arr[i:i + tps] for i in range(0, len(arr), tps)]
+    return VisionInput(np.concatenate([_patchify(c, p) for c in chunks]),
+                       np.asarray([(len(c), arr.shape[2] // p, arr.shape[3] // p) for c in chunks], np.int64))
 
 
 def expand_placeholders(ids: Sequence[int], grid_thw, vcfg: VisionConfig) -> list[int]:

@@ -101,7 +101,8 @@ def param_memory(model, mesh, rules) -> dict:
     out = {"per_device": {}, "total": {}}
     for path, var in nnx.to_flat_state(nnx.state(model)):
         dotted = ".".join(path_parts(path))
-        part = ("routed_experts" if ".experts." in dotted and "shared" not in dotted
+        part = ("vision" if dotted.startswith(("vision_tower.", "mm_projector."))
+                else "routed_experts" if ".experts." in dotted and "shared" not in dotted
                 else "embedding" if dotted.endswith("embed_tokens.embedding") or "markov_w1" in dotted
                 else "lm_head" if dotted.startswith("lm_head") else "other")
         for k, v in (("per_device", _shard_bytes(var.shape, var.dtype, mesh, specs[dotted])),
@@ -110,6 +111,25 @@ def param_memory(model, mesh, rules) -> dict:
     out["per_device_bytes"] = sum(out["per_device"].values())
     out["total_bytes"] = sum(out["total"].values())
     return out
+
+
+def vision_memory(cfg, tmem: dict, max_patches: int) -> dict | None:
+    """The vision tower's share: its parameters per device (replicated, ``kimi.partitioning``) and the encoder's
+    largest live activations for one image of ``max_patches`` patches (the preprocessor's cap), by formula: the
+    residual stream, q|k|v, the MLP's hidden and one clip's fp32 attention scores [H, N, N] (the tower attends clip
+    by clip, ``kimi.vision.clip_attention``); the merged features [N / (kh kw), text hidden] enter the prefill."""
+    v = cfg.vision
+    if v is None:
+        return None
+    import numpy as np
+    N, it = max_patches, np.dtype(cfg.param_dtype).itemsize
+    kh, kw = v.merge_kernel_size
+    act = {"residual": N * v.hidden_size * it, "qkv": N * 3 * v.qkv_dim * it, "mlp_hidden": N * v.intermediate_size * it,
+           "attention_scores_fp32": v.num_attention_heads * N * N * 4}
+    return {"per_device_param_bytes": tmem["per_device"].get("vision", 0), "param_bytes_total": tmem["total"].get(
+            "vision", 0), "image_patches": N, "merged_tokens": N // (kh * kw),
+            "encoder_activation_bytes": act, "encoder_peak_activation_bytes": sum(act.values()),
+            "features_bytes": N // (kh * kw) * cfg.hidden_size * 4}
 
 
 def cache_memory(cache, mesh, rules) -> dict:
@@ -370,6 +390,7 @@ def simulate(a: argparse.Namespace) -> dict:
         "total_params": counts["total_params"], "active_params_per_token": counts["active_params_per_token"],
         "per_device_param_bytes": per_device_param_bytes,
         "per_device_param_bytes_by_part": tmem["per_device"],
+        "vision": vision_memory(cfg, tmem, a.max_image_patches),
         "param_bytes_total": tmem["total_bytes"],
         "per_device_kda_state_bytes": kda_bytes,
         "per_device_mla_cache_bytes": mla_bytes,
@@ -417,6 +438,8 @@ def main(argv=None) -> int:
     ap.add_argument("--accept-len", type=float, default=None,
                     help="DSpark tokens per target step (default: 3.45, what seed 000's 370 tok/s implies)")
     ap.add_argument("--no-compile", action="store_true", help="skip the AOT compiles (and the roofline)")
+    ap.add_argument("--max-image-patches", type=int, default=16384,  # kimi.image.MAX_PATCHES (not imported: jax)
+                    help="patches of the largest image the vision memory figure assumes (kimi.image.MAX_PATCHES)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line")
     a = ap.parse_args(argv)
     try:

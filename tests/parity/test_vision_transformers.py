@@ -4,9 +4,10 @@
   ``save_pretrained`` and loaded here by name (``kimi.vision_checkpoint.load_vision``); two images of different
   grids packed in one sequence, and a 4-frame video clip.
 * Preprocessing and placeholder expansion: ``Kimi_K25ImageProcessor`` and ``Kimi_K25Processor`` run in a
-  subprocess. They are written against torchvision, whose PyPI wheel does not load beside the CPU torch wheel
-  (requirements/test.txt), so the subprocess puts a stand-in ``torchvision`` first on its path with the four
-  functions they call, each doing what torchvision 0.28's does on the CPU for these inputs: ``resize`` of a
+  subprocess, and ``Kimi_K25VideoProcessor`` on a 10-frame video. They are written against torchvision, whose PyPI
+  wheel does not load beside the CPU torch wheel (requirements/test.txt), so the subprocess puts a stand-in
+  ``torchvision`` first on its path with the five functions they call, each doing what torchvision 0.28's does on
+  the CPU for these inputs (``grayscale_to_rgb`` leaves a 3-channel frame as it is): ``resize`` of a
   uint8 image with BICUBIC is ``torch.nn.functional.interpolate(mode="bicubic", antialias=True)`` on the uint8
   tensor itself (torchvision's native-uint8 CPU path), ``pad`` is a constant pad, ``normalize`` is sub_/div_,
   ``pil_to_tensor`` is the HWC -> CHW array. The resampling arithmetic is torch's, the rest is transformers'.
@@ -130,6 +131,8 @@ _STAND_IN = {
         def pad(image, padding, fill=0, padding_mode="constant"):
             left, top, right, bottom = padding
             return torch.nn.functional.pad(image, (left, right, top, bottom), mode=padding_mode, value=fill)
+        def grayscale_to_rgb(image):
+            return image if image.shape[-3] >= 3 else torch.cat([image] * 3, dim=-3)
         def normalize(tensor, mean, std, inplace=False):
             t = tensor if inplace else tensor.clone()
             return t.sub_(torch.as_tensor(mean, dtype=t.dtype).view(-1, 1, 1)).div_(
@@ -161,9 +164,15 @@ _RUNNER = textwrap.dedent("""\
     tok.add_special_tokens({"additional_special_tokens": ["<|media_pad|>", "<|kimi_k25_video_placeholder|>"]})
     proc = Kimi_K25Processor(image_processor=ip, tokenizer=tok, video_processor=Kimi_K25VideoProcessor())
     ids = proc(text=[args["prompt"]], images=imgs, return_tensors="np")["input_ids"][0]
+    vp = Kimi_K25VideoProcessor(**args["video_kw"])
+    vo = vp(videos=[np.load(args["video"])], do_sample_frames=False, return_tensors="np")
     np.savez(args["out"], pixel_values=out["pixel_values"], grid=out["image_grid_thw"], ids=ids,
-             plain=np.asarray(tok(args["prompt"])["input_ids"]))
+             plain=np.asarray(tok(args["prompt"])["input_ids"]), video_pixels=vo["pixel_values_videos"],
+             video_grid=vo["video_grid_thw"], video_chunks=np.asarray(vo["num_chunks_per_video"]))
     """)
+VIDEO_KW = dict(patch_size=4, merge_size=2, max_patches=64, temporal_patch_size=4,
+                size={"max_height": 20, "max_width": 20})
+VIDEO_SHAPE = (10, 45, 70, 3)  # 10 frames: chunks of 4, 4 and 2; downscaled by the 64-patch budget
 
 
 @pytest.fixture(scope="module")
@@ -180,14 +189,16 @@ def processor_outputs(tmp_path_factory):
         img = np.clip(smooth + rng.integers(-20, 21, (H, W, 3)), 0, 255).astype(np.uint8)
         images.append(img)
         np.save(d / f"img{i}.npy", img)
+    video = rng.integers(0, 256, VIDEO_SHAPE, dtype=np.uint8)
+    np.save(d / "video.npy", video)
     out = d / "out.npz"
     args = dict(images=[str(d / f"img{i}.npy") for i in range(len(SIZES))], kw=PROC_KW, prompt=PROMPT, vocab=VOCAB,
-                out=str(out))
+                out=str(out), video=str(d / "video.npy"), video_kw=VIDEO_KW)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(d)] + sys.path))
     r = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(args)], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    return images, dict(np.load(out))
+    return images, dict(np.load(out), video=video)
 
 
 def test_preprocessing_equals_the_image_processor(processor_outputs):
@@ -207,3 +218,15 @@ def test_placeholder_expansion_equals_the_processor(processor_outputs):
     ours = image_lib.expand_placeholders(ref["plain"].tolist(), vin.grid_thw, vcfg)
     assert ours == ref["ids"].tolist()
     assert ours.count(vcfg.media_placeholder_token_id) == sum(h * w // 4 for _, h, w in vin.grid_thw.tolist())
+
+
+def test_video_preprocessing_equals_the_video_processor(processor_outputs):
+    """Kimi_K25VideoProcessor (frame sampling off): the video cut into clips of temporal_patch_size frames, every
+    frame resized and padded as an image, patches clip by clip; same grids, bit-identical pixel values."""
+    _, ref = processor_outputs
+    vcfg = VisionConfig(patch_size=4)
+    vin = image_lib.preprocess_video(list(ref["video"]), vcfg, max_patches=VIDEO_KW["max_patches"], max_side=20,
+                                     temporal_patch_size=VIDEO_KW["temporal_patch_size"])
+    assert ref["video_chunks"].tolist() == [3] and [t for t, _, _ in vin.grid_thw.tolist()] == [4, 4, 2]
+    assert vin.grid_thw.tolist() == ref["video_grid"].tolist()
+    assert np.array_equal(vin.pixel_values, ref["video_pixels"].reshape(vin.pixel_values.shape))

@@ -113,3 +113,10 @@ def test_simulate_k3_tp16_meets_the_acceptance_figures(capsys):
     for kind in ("kda", "mla", "moe"):
         aot = out["aot_decode_step"][kind]
         assert aot["memory"]["argument_size_in_bytes"] > 0 and aot["collectives"]["count"] >= 1
+    # the vision tower: replicated (every device holds all of it), its own part; the largest image's activations
+    from kimi.image import MAX_PATCHES
+    vis, v = out["vision"], kimi.KimiConfig.k3().vision
+    assert vis["per_device_param_bytes"] == vis["param_bytes_total"] == out["per_device_param_bytes_by_part"]["vision"]
+    assert 0.3e9 <= vis["param_bytes_total"] / 2 <= 0.5e9  # ~0.4B parameters in bf16
+    assert vis["image_patches"] == MAX_PATCHES and vis["merged_tokens"] == MAX_PATCHES // 4
+    assert vis["encoder_activation_bytes"]["attention_scores_fp32"] == v.num_attention_heads * MAX_PATCHES ** 2 * 4
