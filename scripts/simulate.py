@@ -124,10 +124,10 @@ def vision_memory(cfg, tmem: dict, max_patches: int) -> dict | None:
     import numpy as np
     N, it = max_patches, np.dtype(cfg.param_dtype).itemsize
     kh, kw = v.merge_kernel_size
-    act = {"residual": N * v.hidden_size * it, "qkv": N * 3 * v.qkv_dim * it, "mlp_hidden": N * v.intermediate_size * it,
-           "attention_scores_fp32": v.num_attention_heads * N * N * 4}
-    return {"per_device_param_bytes": tmem["per_device"].get("vision", 0), "param_bytes_total": tmem["total"].get(
-            "vision", 0), "image_patches": N, "merged_tokens": N // (kh * kw),
+    act = {"residual": N * v.hidden_size * it, "qkv": N * 3 * v.qkv_dim * it,
+           "mlp_hidden": N * v.intermediate_size * it, "attention_scores_fp32": v.num_attention_heads * N * N * 4}
+    return {"per_device_param_bytes": tmem["per_device"].get("vision", 0),
+            "param_bytes_total": tmem["total"].get("vision", 0), "image_patches": N, "merged_tokens": N // (kh * kw),
             "encoder_activation_bytes": act, "encoder_peak_activation_bytes": sum(act.values()),
             "features_bytes": N // (kh * kw) * cfg.hidden_size * 4}
 
