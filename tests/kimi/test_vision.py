@@ -120,6 +120,34 @@ def test_k3_variant_matches_a_reference_from_the_description():
     assert got.shape == (6 + 4, 20) and err <= 1e-4
 
 
+def test_k3_switches_coincide_with_the_k25_path():
+    """Where the K3 variant and the K2.5 path (checked against transformers in tests/parity) compute the same
+    function they give the same numbers: a K3 tower (no patch-embed bias, bilinear position table) with the norm
+    and q|k|v width set to K2.5's equals the K2.5 tower with a zero patch bias on grids of the table's own size
+    (no interpolation, so bilinear = bicubic), one of them a 2-frame clip. On an interpolated grid the two
+    tables differ, which the comparison sees. RMSNorm, the wider q|k|v and PatchMergerMLPV2, where the variants
+    differ, are checked by the reference from the description above."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    k25 = VisionConfig(patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                       intermediate_size=32, pos_emb_height=6, pos_emb_width=6)
+    k3ish = dataclasses.replace(K3_TINY, norm="layernorm", qkv_hidden_size=None)
+    assert not k3ish.patch_embed_bias and k3ish.pos_emb_interpolation == "bilinear"
+    a, b = MoonViT(k25, rngs=nnx.Rngs(0)), MoonViT(k3ish, rngs=nnx.Rngs(1))
+    _randomise(a, 5)
+    a.patch_embed.proj.bias.set_value(jnp.zeros_like(a.patch_embed.proj.bias.get_value()))
+    src = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state(a, nnx.Param))}
+    for p, v in nnx.to_flat_state(nnx.state(b, nnx.Param)):
+        v.set_value(src[p])
+    rng = np.random.default_rng(5)
+    for grid, same in ((((1, 6, 6), (2, 6, 6)), True), (((1, 4, 6),), False)):
+        patches = rng.standard_normal((sum(t * h * w for t, h, w in grid), 48)).astype(np.float32)
+        ya, yb = (np.asarray(m.hidden_states(jnp.asarray(patches), grid)) for m in (a, b))
+        err = np.abs(ya - yb).max()
+        assert (err <= 1e-5) if same else (err > 1e-3), (grid, err)
+
+
 def test_k3_preset_shapes():
     v = kimi.KimiConfig.k3().vision
     assert (v.hidden_size, v.num_attention_heads, v.qkv_dim, v.head_dim, v.intermediate_size) == (1024, 12, 1536,
