@@ -85,7 +85,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", "messages")
-        msgs, images = list(msgs), []
+        msgs, images, vin = list(msgs), [], None
         for i, m in enumerate(msgs):
             if isinstance(m, dict):
                 text, imgs = message_text(m.get("content"), i, vision)
@@ -102,7 +102,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
             ids = [tokenizer.bos_id] + ids
     else:
-        vin = None
+        vin = None  # images come only as chat content parts
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt")
         prompt = body["prompt"]
