@@ -281,12 +281,16 @@ class KimiDeltaAttention(nnx.Module):
 # ---------------------------------------------------------------------------------------------------------------
 # Gated NoPE MLA
 def write_stacked(cache_NBSX, slot: int, new_BTX, start_B):
-    """cache[slot, b, start_b : start_b + T] = new[b] for every row b (one ``dynamic_update_slice`` per row, on
-    the stacked array, so XLA can update it in place; B is static and small: a decode batch or a serving slot)."""
+    """cache[slot, b, start_b : start_b + T] = new[b] for every row b, on the stacked array itself so XLA can
+    update it in place. One row (decode, verify, a serving slot under vmap): a ``dynamic_update_slice``; several
+    (a batched prefill, training): one scatter (a DUS per row would unroll B of them into the program)."""
     new = new_BTX.astype(cache_NBSX.dtype)
-    for b in range(new.shape[0]):
-        cache_NBSX = jax.lax.dynamic_update_slice(cache_NBSX, new[b][None, None], (slot, b, start_B[b], 0))
-    return cache_NBSX
+    B, T = new.shape[:2]
+    if B == 1:
+        return jax.lax.dynamic_update_slice(cache_NBSX, new[None], (slot, 0, start_B[0], 0))
+    rows_B1 = jnp.arange(B)[:, None]
+    cols_BT = start_B[:, None] + jnp.arange(T, dtype=start_B.dtype)[None]
+    return cache_NBSX.at[slot, rows_B1, cols_BT].set(new)
 
 
 class GatedMLA(nnx.Module):
