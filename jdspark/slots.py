@@ -185,12 +185,12 @@ class SlotBackend:
             raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
         if mode == "adaptive" and not self.adaptive:
             raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
+        media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
         cap = self.G if req.speculative else 0
         self.params[slot] = (req.temperature, req.top_k, req.top_p, cap)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
-        media = self._media(req, P)
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
         self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
