@@ -193,12 +193,17 @@ class SlotBackend:
         self.inserts[slot] += 1
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-        self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
-                                    jnp.int32(slot), jnp.asarray(padded), jnp.int32(n),
-                                    jax.random.key(req.seed), jnp.float32(req.temperature),
-                                    jnp.int32(req.top_k), jnp.float32(req.top_p), media, max_len=self.max_len,
-                                    chunk=chunk)
+        first = self._prefill(slot, padded, n, req.seed, req.temperature, req.top_k, req.top_p, media, chunk)
         return StepOutput([int(np.asarray(first)[0])])
+
+    def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
+                 media_PD, chunk):
+        """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]."""
+        self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
+                                    jnp.int32(slot), jnp.asarray(padded_1P), jnp.int32(n), jax.random.key(seed),
+                                    jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), media_PD,
+                                    max_len=self.max_len, chunk=chunk)
+        return first
 
     def _media(self, req: SamplingRequest, P: int):
         """The request's image features padded to [P, D] (rows past its M placeholders unused), or None for a
@@ -302,11 +307,8 @@ class SlotBackend:
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
-                self.state, _ = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
-                                        jnp.int32(0), jnp.full((1, P), self.cfg.bos_token_id, jnp.int32),
-                                        jnp.int32(P), jax.random.key(0), jnp.float32(0), jnp.int32(0),
-                                        jnp.float32(1), jnp.zeros((P, self.cfg.hidden_size), jnp.float32),
-                                        max_len=self.max_len, chunk=None)
+                self._prefill(0, np.full((1, P), self.cfg.bos_token_id, np.int32), P, 0, 0.0, 0, 1.0,
+                              jnp.zeros((P, self.cfg.hidden_size), jnp.float32), None)
         measured = {}
         for b in self.batch_buckets:
             for w in self.widths:
