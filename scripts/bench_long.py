@@ -13,8 +13,12 @@ question at the end stays held out.
 Per length and drafter window: the prompt's prefill (``speculative.prefill_stream``: chunked as
 ``kimi.dispatch.prefill_chunk`` decides, or ``--prefill-chunk``), then DSpark's decode loop
 (``speculative.decode_loop``, greedy, EOS off, ``--max-new-tokens``) and, once per length, plain decoding's from a
-copy of the same target cache. Each phase is its own jitted program, compiled ahead (compile time excluded); the
-prefill runs once, each decode ``--repeats`` times from a copy of its stream (the fastest counts). Peak resident
+copy of the same target cache. From ``--share-prefill-from`` tokens on (default 65536: a 128K prefill takes half
+an hour on a 2-core CPU) the prompt is prefilled once, with the whole drafter context (window none first), and each
+later window's ring is cut from that context (``jdspark.drafter.ring_from_linear``: the same K/V; those entries
+have ``prefill_shared`` true and null prefill fields). Each phase is its own jitted program, compiled ahead
+(compile time excluded); the prefill runs once, each decode ``--repeats`` times from a copy of its stream (the
+fastest counts). Peak resident
 memory of the process per phase: its VmHWM, reset before the phase (``/proc/self/clear_refs``; where that is
 refused, the process peak so far, ``peak_rss_reset: false``). ``cache_bytes``: the target's cache plus the drafter's
 context cache after the prefill; ``chunk_activation_bytes``: XLA's temporary buffers of the compiled prefill program
@@ -48,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jdspark import data as jdata  # noqa: E402
-from jdspark.drafter import with_context_window  # noqa: E402
+from jdspark.drafter import ring_from_linear, with_context_window  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
 from jdspark.speculative import Stream, cache_positions, decode_loop, prefill_stream, serving_pair  # noqa: E402
 from kimi import dispatch  # noqa: E402
@@ -165,26 +169,52 @@ def _decode_run(t_graph, t_state, d_graph, d_state, st0, first, max_new, repeats
     return best
 
 
-def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=None, repeats: int = 3) -> list:
-    """The entries of one context length (one per drafter window); see the module docstring."""
+@functools.partial(jax.jit, static_argnames=("window",))
+def _ring_stream(st: Stream, *, window: int) -> Stream:
+    return Stream(st.anchor, st.cache, ring_from_linear(st.dcache, window), st.key)
+
+
+def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=None, repeats: int = 3,
+                   share_prefill: bool = False) -> list:
+    """The entries of one context length (one per drafter window); see the module docstring. ``share_prefill``:
+    prefill once with the whole drafter context (window None, which must come first) and give each later window
+    the ring of that context (``jdspark.drafter.ring_from_linear``; its entries' prefill fields are None)."""
     N = int(prompt.shape[0])
     G = drafter.config.block_size
+    if share_prefill and windows[0] is not None:
+        raise ValueError("share_prefill: the first window must be none (the whole context every ring is cut from)")
     chunk = dispatch.prefill_chunk(N, chunk_flag)
     P = N if chunk is None else -(-N // chunk) * chunk
     max_len = cache_positions(P, max_new, G, chunk)
     padded = np.full((1, P), target.config.pad_token_id, np.int32)
     padded[0, :N] = prompt
     padded = jnp.asarray(padded)
-    entries, plain = [], None
+    entries, plain, shared = [], None, None
     for w in windows:
         t_mod, d_mod = serving_pair(target, with_context_window(drafter, w))
         t_graph, t_state = nnx.split(t_mod)
         d_graph, d_state = nnx.split(d_mod)
-        args = (t_state, d_state, padded, jnp.int32(N), jax.random.key(0))
-        compiled = _prefill.lower(t_graph, d_graph, *args, max_len=max_len, chunk=chunk).compile()
-        mem = compiled.memory_analysis()
-        rss_before = _vm("VmRSS")
-        (st, first), pre_sec, pre_rss = _phase(compiled, *args)
+        pre = dict(prefill_tok_s=None, peak_rss_prefill_bytes=None, chunk_activation_bytes=None,
+                   rss_before_prefill_bytes=None, prefill_rss_growth_bytes=None, memory_ratio=None)
+        if shared is None:
+            args = (t_state, d_state, padded, jnp.int32(N), jax.random.key(0))
+            compiled = _prefill.lower(t_graph, d_graph, *args, max_len=max_len, chunk=chunk).compile()
+            mem = compiled.memory_analysis()
+            rss_before = _vm("VmRSS")
+            (st, first), pre_sec, pre_rss = _phase(compiled, *args)
+            act = int(mem.temp_size_in_bytes) if mem else 0
+            t_cache, d_cache = _nbytes(st.cache), _nbytes(st.dcache)
+            pre = dict(prefill_tok_s=N / pre_sec, peak_rss_prefill_bytes=pre_rss,
+                       chunk_activation_bytes=act if mem else None, rss_before_prefill_bytes=rss_before,
+                       # issue 18's bound: the prefill's growth of resident memory against the caches plus one
+                       # chunk's activations (<= 1.5 is the bar)
+                       prefill_rss_growth_bytes=pre_rss - rss_before,
+                       memory_ratio=(pre_rss - rss_before) / max(t_cache + d_cache + act, 1))
+            if share_prefill:
+                shared = (st, first)
+        else:
+            st = _ring_stream(jax.tree.map(jnp.copy, shared[0]), window=w)
+            first = shared[1]
         t_cache, d_cache = _nbytes(st.cache), _nbytes(st.dcache)
         if plain is None:  # plain decoding from a copy of the same target cache, once per length
             st_plain = Stream(st.anchor, st.cache, None, st.key)
@@ -194,16 +224,10 @@ def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=No
         spec_tok_s = toks.size / sec
         entries.append({
             "context": N, "drafter_window": w, "plain_tok_s": plain["tok_s"], "spec_tok_s": spec_tok_s,
-            "speedup": spec_tok_s / plain["tok_s"], "accept_len": stats.accept_len,
-            "prefill_tok_s": N / pre_sec, "peak_rss_prefill_bytes": pre_rss, "peak_rss_decode_bytes": rss,
-            "cache_bytes": t_cache + d_cache, "chunk_activation_bytes": int(mem.temp_size_in_bytes) if mem else None,
-            "target_cache_bytes": t_cache, "drafter_cache_bytes": d_cache, "rss_before_prefill_bytes": rss_before,
-            "plain_peak_rss_decode_bytes": plain["rss"], "prefill_chunk": chunk, "cache_positions": max_len,
-            # issue 18's bound: the prefill's growth of resident memory against the caches plus one chunk's
-            # activations (<= 1.5 is the bar)
-            "prefill_rss_growth_bytes": pre_rss - rss_before,
-            "memory_ratio": (pre_rss - rss_before) / max(t_cache + d_cache + int(mem.temp_size_in_bytes if mem
-                                                                                 else 0), 1),
+            "speedup": spec_tok_s / plain["tok_s"], "accept_len": stats.accept_len, **pre,
+            "peak_rss_decode_bytes": rss, "cache_bytes": t_cache + d_cache, "target_cache_bytes": t_cache,
+            "drafter_cache_bytes": d_cache, "plain_peak_rss_decode_bytes": plain["rss"], "prefill_chunk": chunk,
+            "cache_positions": max_len, "prefill_shared": shared is not None and w is not None,
             "new_tokens": int(toks.size), "per_position_accept": stats.per_position_accept,
             "lossless": bool(np.array_equal(toks, plain["tokens"])),
         })
@@ -212,14 +236,15 @@ def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=No
 
 
 def run(target, drafter, tokenizer, lengths, windows, max_new: int, chunk_flag=None, seed: int = 0,
-        corpus=None, log=None, repeats: int = 3) -> dict:
+        corpus=None, log=None, repeats: int = 3, share_prefill_from: int = None) -> dict:
     """The whole benchmark: ``{"lengths": [...], ...}`` (see the module docstring)."""
     if drafter is None:
         raise ValueError("bench_long: needs a drafter (plain decoding is measured beside it)")
     out = []
     for n in lengths:
         prompt, _, held = long_prompt(tokenizer, n, max_new, seed=seed, corpus=corpus)
-        for e in measure_length(target, drafter, prompt, max_new, windows, chunk_flag, repeats):
+        share = share_prefill_from is not None and n >= share_prefill_from
+        for e in measure_length(target, drafter, prompt, max_new, windows, chunk_flag, repeats, share):
             e["held_out_fraction"] = held
             out.append(e)
             if log:
@@ -275,24 +300,32 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", default=None, help="a folder of text files instead of the stdlib corpus")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed decode runs per mode (the fastest counts)")
+    ap.add_argument("--share-prefill-from", type=int, default=65536,
+                    help="from this context length on, prefill once (window none first) and cut each window's ring "
+                         "from it (0: prefill once per window at every length)")
     ap.add_argument("--plot", default=None, help="write a PNG of accept_len and tok/s against context")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if a.max_new_tokens < 1 or a.repeats < 1 or not a.lengths or min(a.lengths) < 2 or not a.windows:
         ap.error("--max-new-tokens and --repeats >= 1, --lengths >= 2 each, and at least one window")
+    share = a.share_prefill_from if a.share_prefill_from > 0 else None
+    if share is not None and max(a.lengths) >= share and a.windows[0] is not None:
+        ap.error("--share-prefill-from: the first of --windows must be none (each ring is cut from its context)")
     target, drafter, note = gen.load_pair(a.checkpoint, a.serving_dtype)
     print(f"[bench_long] {note}", file=sys.stderr)
     tokenizer = gen.load_tokenizer(a.checkpoint, target.config)
 
     def log(e):
+        pre = ("prefill shared with window none" if e["prefill_tok_s"] is None else
+               f"prefill {e['prefill_tok_s']:.0f} tok/s, peak RSS prefill "
+               f"{e['peak_rss_prefill_bytes'] / 2**20:.0f} MiB")
         print(f"[bench_long] context {e['context']:>7} window {str(e['drafter_window']):>5}: plain "
               f"{e['plain_tok_s']:.1f} tok/s, DSpark {e['spec_tok_s']:.1f} tok/s ({e['speedup']:.2f}x), accept_len "
-              f"{e['accept_len']:.2f}, prefill {e['prefill_tok_s']:.0f} tok/s, peak RSS prefill "
-              f"{e['peak_rss_prefill_bytes'] / 2**20:.0f} MiB / decode {e['peak_rss_decode_bytes'] / 2**20:.0f} MiB, "
+              f"{e['accept_len']:.2f}, {pre} / decode {e['peak_rss_decode_bytes'] / 2**20:.0f} MiB, "
               f"caches {e['cache_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
 
     result = run(target, drafter, tokenizer, a.lengths, a.windows, a.max_new_tokens, a.prefill_chunk, a.seed,
-                 a.corpus, log, a.repeats)
+                 a.corpus, log, a.repeats, share)
     if a.plot:
         plot(result, a.plot)
     if a.json:

@@ -27,15 +27,18 @@ def result():
     target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
     drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
                                     rngs=nnx.Rngs(1))
-    return bench_long.run(target, drafter, ByteTokenizer(), lengths=(70,), windows=(16,), max_new=8,
-                          chunk_flag=32, repeats=1)
+    # the prompt prefilled once (window none), the window-16 ring cut from its context (share_prefill_from)
+    return bench_long.run(target, drafter, ByteTokenizer(), lengths=(70,), windows=(None, 16), max_new=8,
+                          chunk_flag=32, repeats=1, share_prefill_from=70)
 
 
 def test_json_has_the_issue_keys(result):
     rows = result["lengths"]
-    assert [(r["context"], r["drafter_window"]) for r in rows] == [(70, 16)]
-    r = rows[0]
-    assert KEYS <= set(r), KEYS - set(r)
+    assert [(r["context"], r["drafter_window"]) for r in rows] == [(70, None), (70, 16)]
+    r, ring_row = rows
+    assert KEYS <= set(r) and KEYS <= set(ring_row), KEYS - set(r)
+    assert not r["prefill_shared"] and ring_row["prefill_shared"] and ring_row["prefill_tok_s"] is None
+    assert ring_row["lossless"] and ring_row["new_tokens"] == 8 and 1.0 <= ring_row["accept_len"] <= 5.0
     assert r["lossless"] and r["new_tokens"] == 8 and r["prefill_chunk"] == 32
     assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and 1.0 <= r["accept_len"] <= 5.0
     assert r["peak_rss_prefill_bytes"] > 0 and r["peak_rss_decode_bytes"] > 0 and r["chunk_activation_bytes"] > 0
@@ -44,7 +47,8 @@ def test_json_has_the_issue_keys(result):
         r["cache_bytes"] + r["chunk_activation_bytes"]))
     dc = jdspark.DSparkConfig.for_target(kimi.KimiConfig.tiny(), block_size=4)
     ring = 2 * 16 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * 4  # k and v, fp32, 16 slots
-    assert r["drafter_cache_bytes"] == ring + 4  # + the int32 length
+    assert ring_row["drafter_cache_bytes"] == ring + 4  # + the int32 length
+    assert r["drafter_cache_bytes"] == ring // 16 * r["cache_positions"] + 4  # the whole context
 
 
 def test_plot(result, tmp_path):

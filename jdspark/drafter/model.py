@@ -378,6 +378,19 @@ def with_context_window(drafter: DSparkDrafter, window: Optional[int]) -> DSpark
     return out
 
 
+def ring_from_linear(cache: DrafterCache, window: int) -> DrafterCache:
+    """The ring-buffer context of ``window`` slots (``with_context_window``'s layout) holding what a linear cache
+    holds of the last ``window`` positions: slot s takes position p(s) = n - 1 - ((n - 1 - s) mod S), n = the
+    cache's length, S = min(window, its slots) (``slot_positions``). The K/V are the same values (RoPE'd at
+    absolute positions either way), so a long prompt prefilled once serves every window (scripts/bench_long.py)
+    instead of once per window. Slots with p(s) < 0 (a stream shorter than the ring) hold position 0: masked."""
+    if window < 1:
+        raise ValueError(f"window: expected >= 1, got {window}")
+    S = min(int(window), cache.max_len)
+    idx = jnp.maximum(slot_positions(cache.length, S, True), 0)
+    return DrafterCache(jnp.take(cache.k, idx, axis=-1), jnp.take(cache.v, idx, axis=3), cache.length)
+
+
 def with_serving_layout(drafter: DSparkDrafter, serving_dtype: str = "float32") -> DSparkDrafter:
     """The drafter as a generation serves it, made once inside the generation's program (not once per step): the
     projections that read the same input side by side (``kimi.layers.project_many``: q|k|v and k|v of each layer's

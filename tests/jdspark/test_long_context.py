@@ -12,7 +12,7 @@ from flax import nnx
 import jdspark
 import kimi
 from jdspark import data as jdata
-from jdspark.drafter import with_context_window
+from jdspark.drafter import ring_from_linear, with_context_window
 from jdspark.engine import SamplingRequest
 from jdspark.sampling import SamplingParams
 from jdspark.slots import SlotBackend
@@ -125,6 +125,37 @@ def test_ring_window_equals_all_sliding_window_layers(tiny):
         np.testing.assert_allclose(outs[0], outs[1], atol=1e-5, rtol=0, err_msg=f"after {at} positions")
         np.testing.assert_allclose(outs[2], outs[3], atol=1e-5, rtol=0, err_msg=f"after {at} positions")
     assert np.abs(np.asarray(outs[0] - outs[3])).max() > 1e-3  # the window does cut the context
+
+
+def test_ring_from_a_linear_cache_equals_the_ring_appended(tiny):
+    """A linear context cache rearranged into a ring of W slots (ring_from_linear) holds what appending the same
+    taps to the ring holds, slot for slot, once the ring has wrapped (and the drafts read the same); before it is
+    full, its valid slots agree and the drafts too."""
+    target, drafter, _ = tiny
+    cfg = drafter.config
+    W = 6
+    ring = with_context_window(drafter, W)
+    X = cfg.num_taps * cfg.hidden_size
+    taps = jax.random.normal(jax.random.key(7), (1, 40, X))
+    emb, head = target.embed_tokens.embedding[...], target.lm_head_DV()
+    lin, rc = drafter.init_cache(1, 64), ring.init_cache(1, 64)
+    at = 0
+    for N, nv in [(4, 4), (13, 11), (5, 3), (9, 9)]:
+        lin = drafter.append_context(lin, taps[:, at:at + N], nv, start_pos=lin.length)
+        rc = ring.append_context(rc, taps[:, at:at + N], nv, start_pos=rc.length)
+        at += nv
+        got = ring_from_linear(lin, W)
+        assert got.max_len == W and int(got.length) == int(rc.length) == at
+        valid = min(at, W)
+        slots = np.asarray(jnp.mod(jnp.arange(at - valid, at), W))
+        np.testing.assert_allclose(np.asarray(got.k)[..., slots], np.asarray(rc.k)[..., slots], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(got.v)[:, :, :, slots], np.asarray(rc.v)[:, :, :, slots], atol=1e-6,
+                                   rtol=0)
+        a = ring.draft_logits(got, jnp.array([7]), None, emb, head)[0]
+        b = ring.draft_logits(rc, jnp.array([7]), None, emb, head)[0]
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"after {at} positions")
+    with pytest.raises(ValueError, match="window"):
+        ring_from_linear(lin, 0)
 
 
 def test_windowed_drafter_is_lossless_on_the_shipped_pair():
