@@ -289,3 +289,6 @@ class Engine:
     def _gauges(self) -> None:
         if self.metrics:
             self.metrics.gauges(self.num_running, self.num_waiting)
+            costs = getattr(self.backend, "costs", None)  # an adaptive backend's cost table (slots.SlotBackend)
+            if costs:
+                self.metrics.step_costs(costs)

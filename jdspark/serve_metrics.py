@@ -7,7 +7,9 @@ Counters (exposed with the ``_total`` suffix, as vLLM's are): ``vllm:spec_decode
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``. Histograms: ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``, and ``jdspark:verified_tokens_per_step``
-(tokens the target verified per slot per step: the adaptive scheduler's choice).
+(tokens the target verified per slot per step: the adaptive scheduler's choice). Gauge ``jdspark:step_cost_seconds``
+(labels ``batch``, ``width``): the cost table the adaptive scheduler reads, as measured by warm-up and then by the
+steps served (what a step of that many slots at that verify width costs this server).
 
 Acceptance of your own traffic: accepted / draft_tokens from the counters' deltas, and accept_len =
 1 + accepted / drafts (tokens per target step).
@@ -60,6 +62,9 @@ class ServeMetrics:
                                buckets=_LATENCY, registry=r, **lab)
         self.verified = Histogram("jdspark:verified_tokens_per_step", "Tokens verified per slot per step.",
                                   buckets=tuple(range(1, max_positions + 2)), registry=r, **lab)
+        self.step_cost = Gauge("jdspark:step_cost_seconds", "The adaptive scheduler's step cost per (batch, width).",
+                               labelnames=["model_name", "batch", "width"], registry=r)
+        self._costs_seen = None
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=model_name, finished_reason=reason)
 
@@ -99,6 +104,14 @@ class ServeMetrics:
     def gauges(self, running: int, waiting: int) -> None:
         self._m(self.running).set(running)
         self._m(self.waiting).set(waiting)
+
+    def step_costs(self, table) -> None:
+        """Expose the scheduler's cost table {(batch, width): seconds} (a table already exposed is skipped)."""
+        if table is self._costs_seen:
+            return
+        self._costs_seen = table
+        for (b, w), seconds in table.items():
+            self.step_cost.labels(model_name=self.model, batch=str(b), width=str(w)).set(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.adaptive import SurvivalTracker, choose_width, monotone_costs
+from jdspark.adaptive import CostTable, SurvivalTracker, choose_width
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -156,13 +156,13 @@ class SlotBackend:
             raise ValueError(f"widths: expected values in 1..{full} including {full}, got {self.widths}")
         self.modes = ["fixed"] * self.num_slots  # per slot: "fixed" | "adaptive"
         self.tracker = SurvivalTracker(self.num_slots, max(self.G, 1))
-        self.costs: dict = {}  # (batch bucket, width) -> seconds per step, measured by warm_up (monotone)
+        self.costs: dict = {}  # (batch bucket, width) -> seconds per step, what the scheduler reads (monotone)
         self.inserts = [0] * self.num_slots  # prefills per slot: a step launched before one is stale for it
-        self._last_done = 0.0
+        self._last_done, self._last_key = 0.0, None  # the last collected step: when it ended, its (b, W)
         self._adaptive_steps: dict = {}  # batch bucket -> adaptive steps scheduled; (b, W) -> the step W last ran
         self._last_run: dict = {}
-        self.measured: dict = {}  # the raw table: warm_up's times, then a running mean of the steps served (a
-        # table set from outside, without warm_up, stays as it was set)
+        self.timings = CostTable()  # warm_up's times, then the steps served; ``costs`` is its table (a table set
+        # from outside, without warm_up, stays as it was set)
         self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
 
     # ------------------------------------------------------------------ Backend
@@ -228,13 +228,15 @@ class SlotBackend:
         if not self.costs:
             raise RuntimeError("adaptive verification needs the step costs: call warm_up() first")
         b = self._bucket(len(slots))
-        if self.measured:  # a width not run at this bucket for EXPLORE_EVERY steps is run once, to re-time it
+        if self.timings:  # a width not run at this bucket for EXPLORE_EVERY steps is run once, to re-time it
             self._adaptive_steps[b] = self._adaptive_steps.get(b, 0) + 1
             stale = [w for w in self.widths
                      if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > EXPLORE_EVERY]
             if stale:
                 return stale[0]
-        return choose_width(self.tracker.curve_SG[list(slots)], caps, b, self.widths, self.costs)[0]
+        # a slot that stepped plainly for a while gets a drafting width: its curve is refreshed (SurvivalTracker)
+        widths = [w for w in self.widths if w > 1] if self.tracker.needs_refresh(slots) else self.widths
+        return choose_width(self.tracker.curve_SG[list(slots)], caps, b, widths, self.costs)[0]
 
     def ran(self, b: int, W: int) -> None:
         """Bookkeeping of a step launched at batch bucket b and width W (for ``EXPLORE_EVERY``)."""
@@ -267,7 +269,7 @@ class SlotBackend:
         self.width_counts[W] += 1
         self.ran(b, W)
         return {"out": out, "slots": slots, "b": b, "W": W, "all_slots": all_slots, "launched": launched,
-                "timed": width is None, "inserts": [self.inserts[s] for s in slots]}
+                "timed": width is None, "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
 
     def collect(self, h: dict) -> dict:
         """Wait for a launched step and return {slot: StepOutput}. A slot prefilled again since the launch (its
@@ -278,11 +280,15 @@ class SlotBackend:
         done = time.perf_counter()
         b, W = h["b"], h["W"]
         key = (b, W)
-        if h["timed"] and key in self.measured:  # serving: the table warm_up measured follows the steps served
-            seconds = done - max(h["launched"], self._last_done)  # a pipelined step starts when the last ended
-            self.measured[key] = 0.8 * self.measured[key] + 0.2 * seconds
-            self.costs = monotone_costs(self.measured)
-        self._last_done = done
+        # serving: the table warm_up measured follows the steps served, in steady state only. Pipelined, a step's
+        # time (from the previous one's end to its own) also holds the host's commit of the previous step's tokens,
+        # so it is timed only after a step of the same (b, W) (a plain step after a whole block would carry the
+        # block's commit), and not when it shared the device with a prefill (an insert between launch and now)
+        if (h["timed"] and key in self.timings and h["prefills"] == sum(self.inserts)
+                and self._last_key == key):
+            self.timings.observe(key, done - max(h["launched"], self._last_done))
+            self.costs = self.timings.table
+        self._last_done, self._last_key = done, key
         new = np.asarray(new).reshape(b, -1)
         n_new, drafted, accepted = (np.asarray(x).reshape(-1) for x in (n_new, drafted, accepted))
         res = {}
@@ -300,33 +306,31 @@ class SlotBackend:
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0)
 
-    def warm_up(self, reps: int = 3) -> dict:
+    def warm_up(self, reps: int = 5) -> dict:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
-        verification also time each step program (the fastest of ``reps`` runs after its compile) into the cost
+        verification also time each step program (``reps`` runs after its compile; their median) into the cost
         table the scheduler reads. Returns the table {(batch, width): seconds}."""
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
                 self._prefill(0, np.full((1, P), self.cfg.bos_token_id, np.int32), P, 0, 0.0, 0, 1.0,
                               jnp.zeros((P, self.cfg.hidden_size), jnp.float32), None)
-        measured = {}
+        timings = CostTable()
         for b in self.batch_buckets:
             for w in self.widths:
                 for s in range(b):
                     self.params[s, 3] = self.G if w > 1 else 0
                 self.step(list(range(b)), width=w)  # compile
                 if self.adaptive:
-                    times = []
                     for _ in range(max(1, reps)):
                         t0 = time.perf_counter()
                         self.step(list(range(b)), width=w)
-                        times.append(time.perf_counter() - t0)
-                    measured[(b, w)] = min(times)
+                        timings.observe((b, w), time.perf_counter() - t0)
         for s in range(self.num_slots):
             self.free(s)
             self.tracker.reset(s)
         self.tracker.prior[:] = 1.0
         self.width_counts.clear()
-        self.measured = dict(measured)
-        self.costs = monotone_costs(measured) if measured else {}
+        self.timings = timings
+        self.costs = dict(timings.table)
         return dict(self.costs)

@@ -8,9 +8,10 @@ Each cell runs ``--requests`` streamed completions of held-out code prompts (tok
 tokens over the cell's wall time), per-user tok/s (each request's completion tokens over its own latency,
 averaged), TTFT / TPOT / ITL (mean, p50, p99, in ms; tokens counted from ``usage``, not from chunks), accept_len
 (1 + accepted / drafts from the server's ``/metrics`` deltas: the acceptance this traffic got) and the mean verified
-tokens per slot per step (``jdspark:verified_tokens_per_step``). The mode is sent per request (``speculative``
-false for off; ``spec_mode`` fixed or adaptive). Greedy and sampled (``--temperatures 0,1``) cells. Only loopback
-or the given ``--url`` is contacted; every loop is bounded.
+tokens per slot per step (``jdspark:verified_tokens_per_step``), and the adaptive scheduler's step cost per verify
+width at the cell's batch bucket after the cell (``step_cost_ms``, from ``jdspark:step_cost_seconds``). The mode
+is sent per request (``speculative`` false for off; ``spec_mode`` fixed or adaptive). Greedy and sampled
+(``--temperatures 0,1``) cells. Only loopback or the given ``--url`` is contacted; every loop is bounded.
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ def scrape(url: str) -> dict:
         if name in out:
             out[name] += float(line.rsplit(" ", 1)[1])
     return out
+
+
+def scrape_costs(url: str, concurrency: int) -> dict:
+    """The adaptive scheduler's step cost table (``jdspark:step_cost_seconds``) at the batch bucket a cell of
+    ``concurrency`` users runs in: {width: ms}; empty for a server without adaptive verification."""
+    import re
+
+    import httpx
+
+    table = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("jdspark:step_cost_seconds{"):
+            b, w = (int(re.search(f'{k}="(\\d+)"', line).group(1)) for k in ("batch", "width"))
+            table[(b, w)] = float(line.rsplit(" ", 1)[1]) * 1e3
+    buckets = sorted({b for b, _ in table if b >= concurrency})
+    return {str(w): ms for (b, w), ms in sorted(table.items()) if buckets and b == buckets[0]}
 
 
 def one_request(url: str, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
@@ -133,7 +150,7 @@ def run_cell(url: str, prompts, mode: str, concurrency: int, temperature: float,
             "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
             "accept_len": 1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0,
             "verified_per_slot_step": d["jdspark:verified_tokens_per_step_sum"] / vcount if vcount else None,
-            "wall_s": wall}
+            "step_cost_ms": scrape_costs(url, concurrency), "wall_s": wall}
 
 
 def plot(cells, path: str) -> None:
@@ -243,7 +260,9 @@ def main(argv=None) -> int:
                     cells.append(cell)
                     print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d}: {cell['output_tok_s']:7.1f} tok/s total, "
                           f"{cell['per_user_tok_s']:6.1f} per user, accept_len {cell['accept_len']:.2f}, "
-                          f"verified/slot/step {cell['verified_per_slot_step']}", file=sys.stderr, flush=True)
+                          f"verified/slot/step {cell['verified_per_slot_step']}, "
+                          f"step ms by width {cell['step_cost_ms']}",
+                          file=sys.stderr, flush=True)
     finally:
         if proc is not None:
             proc.terminate()

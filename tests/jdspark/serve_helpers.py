@@ -21,6 +21,8 @@ class ScriptedBackend:
         self.gate = threading.Event()
         self.gate.set()
         self.inserted, self.freed = [], []
+        # a cost table as an adaptive SlotBackend keeps one (the engine exposes it as jdspark:step_cost_seconds)
+        self.costs = {(b, w): 0.001 * b + 0.0005 * w for b in (1, num_slots) for w in (1, tokens_per_step + 2)}
 
     def insert(self, slot, req):
         assert slot not in self.last, f"slot {slot} inserted while busy"

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jdspark.adaptive import SurvivalTracker, choose_width, expected_tokens, monotone_costs
+from jdspark.adaptive import CostTable, SurvivalTracker, choose_width, expected_tokens, monotone_costs
 
 
 def test_expected_tokens_equals_a_simulated_acceptance_process():
@@ -54,12 +54,38 @@ def test_choose_width_is_the_brute_force_argmax():
 def test_monotone_costs():
     raw = {(1, 1): 1.0, (1, 2): 0.8, (1, 4): 1.5, (2, 1): 0.9, (2, 2): 2.0, (2, 4): 1.7}
     m = monotone_costs(raw)
-    assert m == {(1, 1): 1.0, (1, 2): 1.0, (1, 4): 1.5, (2, 1): 1.0, (2, 2): 2.0, (2, 4): 2.0}
+    assert m == {(1, 1): 0.8, (1, 2): 0.8, (1, 4): 1.5, (2, 1): 0.9, (2, 2): 1.7, (2, 4): 1.7}
     for (b, w), (b2, w2) in itertools.product(m, m):
         if b <= b2 and w <= w2:
             assert m[(b, w)] <= m[(b2, w2)]
     ok = {(1, 1): 1.0, (1, 2): 2.0}
     assert monotone_costs(ok) == ok
+
+
+def test_cost_table_is_the_median_of_recent_timings_made_monotone():
+    """One slow step (a timing that waited on something else) does not move a width's cost; a lasting change
+    does, once it holds most of the window; the table stays monotone; a bad timing is refused."""
+    t = CostTable(window=5)
+    for s in (1.0, 1.1, 0.9):
+        t.observe((1, 1), s)
+        t.observe((1, 8), 2 * s)
+    assert t.table == {(1, 1): 1.0, (1, 8): 2.0} and (1, 8) in t and (2, 1) not in t and len(t) == 2
+    t.observe((1, 8), 90.0)  # an outlier
+    assert t.table[(1, 8)] == pytest.approx(2.1)  # median of 1.8, 2, 2.2, 90: between the middle two
+    for _ in range(3):
+        t.observe((1, 8), 0.5)  # the width got cheaper and stays so: 3 of the 5 latest samples
+    # the median is 0.5; monotone from below: width 1 costs no more than the whole block
+    assert t.table == {(1, 1): 0.5, (1, 8): 0.5}
+    t.observe((1, 1), 0.2)
+    t.observe((1, 1), 0.2)
+    assert t.table == {(1, 1): 0.5, (1, 8): 0.5}  # width 1's median (0.2, 0.2, 0.9, 1.0, 1.1) = 0.9, capped
+    t.observe((1, 1), 0.2)
+    assert t.table == {(1, 1): 0.2, (1, 8): 0.5}
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive finite"):
+            t.observe((1, 1), bad)
+    with pytest.raises(ValueError, match="window"):
+        CostTable(window=0)
 
 
 def test_tracker():
@@ -72,6 +98,27 @@ def test_tracker():
     np.testing.assert_allclose(tr.curve_SG[0], [0.625, 0.4, 0.325])
     tr.reset(1)
     np.testing.assert_allclose(tr.curve_SG[1], tr.prior)
+
+
+def test_tracker_asks_for_a_drafting_step_after_a_run_of_plain_ones():
+    """A plain step brings no curve: after ``refresh_after`` of them in a row a slot needs a drafting width (one
+    slot is enough for the step); a drafted block, or a new request, starts the count again."""
+    tr = SurvivalTracker(3, 4, refresh_after=3)
+    for _ in range(2):
+        tr.stepped_plain(0)
+        tr.stepped_plain(1)
+    assert not tr.needs_refresh([0, 1, 2])
+    tr.stepped_plain(1)
+    assert tr.needs_refresh([0, 1]) and tr.needs_refresh([1]) and not tr.needs_refresh([0, 2])
+    tr.observe(1, np.array([0.5, 0.2, 0.1, 0.0]), drafted=1, accepted=0)
+    assert not tr.needs_refresh([0, 1, 2])
+    for _ in range(3):
+        tr.stepped_plain(2)
+    assert tr.needs_refresh([2])
+    tr.reset(2)
+    assert not tr.needs_refresh([2])
+    with pytest.raises(ValueError, match="refresh_after"):
+        SurvivalTracker(1, 4, refresh_after=0)
 
 
 def test_tracker_calibrates_an_overconfident_head():

@@ -243,6 +243,9 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
         assert cell["ttft_ms"]["p50"] is not None and cell["tpot_ms"]["p99"] >= cell["tpot_ms"]["p50"]
         assert cell["accept_len"] == pytest.approx(1 + 2 / 1)  # the scripted backend: 2 of 4 accepted per step
         assert cell["verified_per_slot_step"] == pytest.approx(5.0)
+        want = {str(w): 1e3 * soak_srv.backend.costs[(b, w)] for (b, w) in soak_srv.backend.costs
+                if b == (1 if cell["concurrency"] == 1 else soak_srv.backend.num_slots)}
+        assert cell["step_cost_ms"] == pytest.approx(want) and len(want) == 2
     bench_serve.plot(cells, str(tmp_path / "serve.png"))
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
     for mode in ("sometimes", "adaptive"):  # not a mode; not offered by a server started with --spec fixed

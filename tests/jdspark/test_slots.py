@@ -14,7 +14,7 @@ import pytest
 
 import jdspark
 import kimi
-from jdspark.adaptive import monotone_costs
+from jdspark.adaptive import CostTable, monotone_costs
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slots import SlotBackend, buckets_up_to
 from kimi.tokenizer import ByteTokenizer
@@ -128,11 +128,13 @@ def test_adaptive_re_times_a_width_it_has_not_run(backend):
 
     be = backend
     G = be.G
-    saved = (dict(be.costs), dict(be.measured), dict(be._adaptive_steps), dict(be._last_run), list(be.modes),
+    saved = (dict(be.costs), be.timings, dict(be._adaptive_steps), dict(be._last_run), list(be.modes),
              be.params.copy(), be.tracker.curve_SG.copy())
     try:
         be.costs = monotone_costs({(4, w): 1.0 for w in be.widths})
-        be.measured = dict(be.costs)
+        be.timings = CostTable()
+        for k, v in be.costs.items():
+            be.timings.observe(k, v)
         be._adaptive_steps, be._last_run = {}, {}
         for s in range(4):
             be.params[s, 3], be.modes[s] = G, "adaptive"
@@ -146,5 +148,69 @@ def test_adaptive_re_times_a_width_it_has_not_run(backend):
         assert sorted(set(others)) == [w for w in be.widths if w != G + 1]
         assert len(others) <= 3 * len(be.widths)  # a few re-timing steps, not a change of policy
     finally:
-        (be.costs, be.measured, be._adaptive_steps, be._last_run, be.modes, be.params,
+        (be.costs, be.timings, be._adaptive_steps, be._last_run, be.modes, be.params,
          be.tracker.curve_SG) = saved
+
+
+def test_served_steps_time_the_cost_table_except_across_a_prefill(pair, backend):
+    """A served (scheduler-chosen) step adds its time to its (batch, width) timings in steady state: after a step
+    of the same (batch, width), and not when it shared the device with a prefill (an insert between its launch
+    and its collect, as an arriving request does: its wall time is the prefill's as much as the step's)."""
+    target, _, _ = pair
+    be = backend
+    saved = (dict(be.costs), be.timings, list(be.modes), be.params.copy())
+    try:
+        be.timings = CostTable()
+        for w in be.widths:
+            be.timings.observe((4, w), 1.0)
+        be.costs = dict(be.timings.table)
+        ids = tuple(int(x) for x in _prompts(1, 24, target.config.vocab_size)[0])
+        for s in range(4):
+            be.insert(s, SamplingRequest(ids, 8, spec_mode="adaptive"))
+        counts = lambda: {k: len(v) for k, v in be.timings.samples.items()}  # noqa: E731
+        before = counts()
+        be.collect(be.launch([0, 1, 2, 3], width=1))  # an explicit width (not timed): a plain step
+        h = be.launch([0, 1, 2, 3])
+        assert h["W"] > 1  # a flat table: the widest width pays
+        be.collect(h)
+        assert counts() == before  # its predecessor was a plain step, whose commit its time would hold
+        h2 = be.launch([0, 1, 2, 3])
+        assert h2["W"] == h["W"]
+        be.insert(3, SamplingRequest(ids, 8, spec_mode="adaptive"))  # a request arrives while the step runs
+        be.collect(h2)
+        assert counts() == before
+        h3 = be.launch([0, 1, 2, 3])
+        assert h3["W"] == h["W"]
+        be.collect(h3)
+        grown = {k for k in counts() if counts()[k] != before[k]}
+        assert grown == {(4, h["W"])} and counts()[(4, h["W"])] == before[(4, h["W"])] + 1
+        assert 0 < be.timings.samples[(4, h["W"])][-1] < 1.0  # a real step's seconds, not the seeded 1.0
+    finally:
+        be.costs, be.timings, be.modes, be.params = saved
+        for s in range(4):
+            be.free(s)
+
+
+def test_adaptive_drafts_again_after_a_run_of_plain_steps(backend):
+    """Curves that make a plain step pay keep the step plain until a slot has stepped plainly ``refresh_after``
+    times in a row; then the scheduler picks a drafting width (the tracker's refresh), not plain again."""
+    be = backend
+    saved = (dict(be.costs), be.timings, list(be.modes), be.params.copy(), be.tracker.curve_SG.copy(),
+             be.tracker.plain_run_S.copy())
+    try:
+        be.timings = CostTable()  # a table set from outside: no re-timing steps
+        be.costs = monotone_costs({(4, w): 1.0 + w for w in be.widths})
+        for s in range(4):
+            be.params[s, 3], be.modes[s] = be.G, "adaptive"
+        be.tracker.curve_SG[:4] = 0.05
+        be.tracker.plain_run_S[:4] = 0
+        picks = []
+        for _ in range(be.tracker.refresh_after + 1):
+            picks.append(be.choose_width([0, 1, 2, 3]))
+            if picks[-1] == 1:
+                for s in range(4):
+                    be.tracker.stepped_plain(s)
+            be.tracker.curve_SG[:4] = 0.05  # the prior stays pessimistic too
+        assert picks[:-1] == [1] * be.tracker.refresh_after and picks[-1] > 1
+    finally:
+        (be.costs, be.timings, be.modes, be.params, be.tracker.curve_SG, be.tracker.plain_run_S) = saved
