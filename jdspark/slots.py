@@ -100,8 +100,8 @@ def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, top
 
     def one(st, t, k, p, cap):
         sp = SamplingParams.rows(t, k, p, batch)
-        if drafter is None or width == 1:
-            return plain_step(target, st, sp)
+        if drafter is None or width == 1:  # a plain step still extends the drafter's context (plain_step)
+            return plain_step(target, st, sp, drafter)
         return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence)
 
     with dispatch.mapped_rows(int(rows_b.shape[0])):

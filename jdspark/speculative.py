@@ -260,13 +260,23 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     return Stream(first, cache, dcache, key), first
 
 
-def plain_step(target, st: Stream, sp: SamplingParams):
-    """One target decode of the anchor: (Stream, StepOut) with one new token."""
+def plain_step(target, st: Stream, sp: SamplingParams, drafter=None):
+    """One target decode of the anchor: (Stream, StepOut) with one new token.
+
+    ``drafter`` (a stream that drafts on other steps: a serving slot whose scheduler chose a plain step): the
+    decoded position's taps are appended to the drafter's context too, as a verified block's are, so the next
+    block reads every committed position. Without it each plain step left a hole in the context, the drafts after
+    a run of plain steps got worse, and adaptive verification, seeing them fail, stepped plainly again."""
     key, k = jax.random.split(st.key)
-    res = target.forward(st.anchor[:, None], st.cache, mode="decode")
+    taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
+    res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
     nxt = sample(k, res.logits, sp)
+    dcache = st.dcache
+    if drafter is not None:
+        with jax.named_scope("append_context"):
+            dcache = drafter.append_context(st.dcache, res.taps, 1, start_pos=st.cache.length)
     one = jnp.int32(1)
-    return Stream(nxt, res.cache, st.dcache, key), StepOut(nxt, one, jnp.int32(0), jnp.int32(0))
+    return Stream(nxt, res.cache, dcache, key), StepOut(nxt, one, jnp.int32(0), jnp.int32(0))
 
 
 def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float = 0.0, width=None,

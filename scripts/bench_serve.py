@@ -11,7 +11,9 @@ averaged), TTFT / TPOT / ITL (mean, p50, p99, in ms; tokens counted from ``usage
 tokens per slot per step (``jdspark:verified_tokens_per_step``), and the adaptive scheduler's step cost per verify
 width at the cell's batch bucket after the cell (``step_cost_ms``, from ``jdspark:step_cost_seconds``). The mode
 is sent per request (``speculative`` false for off; ``spec_mode`` fixed or adaptive). Greedy and sampled
-(``--temperatures 0,1``) cells. Only loopback or the given ``--url`` is contacted; every loop is bounded.
+(``--temperatures 0,1``) cells. Each cell runs ``--rounds`` times, the modes of one concurrency alternating round
+by round, and reports its median round (all rounds' tok/s in ``output_tok_s_rounds``): on a shared 2-core machine
+one run of a cell moves by a fifth. Only loopback or the given ``--url`` is contacted; every loop is bounded.
 """
 
 from __future__ import annotations
@@ -153,6 +155,14 @@ def run_cell(url: str, prompts, mode: str, concurrency: int, temperature: float,
             "step_cost_ms": scrape_costs(url, concurrency), "wall_s": wall}
 
 
+def median_cell(rounds: list) -> dict:
+    """The round whose aggregate tok/s is the median (the lower middle of an even count), with every round's tok/s
+    beside it (``output_tok_s_rounds``): one slow or fast round on a shared machine does not decide a ratio."""
+    order = sorted(rounds, key=lambda c: c["output_tok_s"])
+    return {**order[(len(order) - 1) // 2], "rounds": len(rounds),
+            "output_tok_s_rounds": [c["output_tok_s"] for c in rounds]}
+
+
 def plot(cells, path: str) -> None:
     """Aggregate throughput against per-user tok/s, one line per (mode, temperature) across concurrency."""
     import matplotlib
@@ -237,9 +247,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of each cell; the modes of a concurrency alternate round by round, the median counts")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds: expected >= 1, got {a.rounds}")
     modes = a.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}")
@@ -254,15 +268,17 @@ def main(argv=None) -> int:
     try:
         one_request(url, prompts[0], 8, 0.0, 0, modes[0])  # warm the path end to end
         for temp in temps:
-            for mode in modes:
-                for c in conc:
-                    cell = run_cell(url, prompts, mode, c, temp, a.max_tokens, a.requests or max(4, 2 * c))
-                    cells.append(cell)
-                    print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d}: {cell['output_tok_s']:7.1f} tok/s total, "
-                          f"{cell['per_user_tok_s']:6.1f} per user, accept_len {cell['accept_len']:.2f}, "
-                          f"verified/slot/step {cell['verified_per_slot_step']}, "
-                          f"step ms by width {cell['step_cost_ms']}",
-                          file=sys.stderr, flush=True)
+            for c in conc:
+                rounds = {m: [] for m in modes}
+                for r in range(a.rounds):  # the modes of one concurrency side by side, round after round
+                    for mode in modes:
+                        cell = run_cell(url, prompts, mode, c, temp, a.max_tokens, a.requests or max(4, 2 * c))
+                        rounds[mode].append(cell)
+                        print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "
+                              f"tok/s total, {cell['per_user_tok_s']:6.1f} per user, accept_len "
+                              f"{cell['accept_len']:.2f}, verified/slot/step {cell['verified_per_slot_step']}, "
+                              f"step ms by width {cell['step_cost_ms']}", file=sys.stderr, flush=True)
+                cells += [median_cell(rounds[m]) for m in modes]
     finally:
         if proc is not None:
             proc.terminate()

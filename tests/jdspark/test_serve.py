@@ -246,6 +246,8 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
         want = {str(w): 1e3 * soak_srv.backend.costs[(b, w)] for (b, w) in soak_srv.backend.costs
                 if b == (1 if cell["concurrency"] == 1 else soak_srv.backend.num_slots)}
         assert cell["step_cost_ms"] == pytest.approx(want) and len(want) == 2
+    med = bench_serve.median_cell([dict(cells[0], output_tok_s=v, tag=i) for i, v in enumerate((3.0, 1.0, 2.0, 9.0))])
+    assert med["tag"] == 2 and med["rounds"] == 4 and med["output_tok_s_rounds"] == [3.0, 1.0, 2.0, 9.0]
     bench_serve.plot(cells, str(tmp_path / "serve.png"))
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"
     for mode in ("sometimes", "adaptive"):  # not a mode; not offered by a server started with --spec fixed

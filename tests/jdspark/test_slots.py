@@ -214,3 +214,21 @@ def test_adaptive_drafts_again_after_a_run_of_plain_steps(backend):
         assert picks[:-1] == [1] * be.tracker.refresh_after and picks[-1] > 1
     finally:
         (be.costs, be.timings, be.modes, be.params, be.tracker.curve_SG, be.tracker.plain_run_S) = saved
+
+
+def test_a_plain_step_extends_the_drafters_context(pair, backend):
+    """A slot stepped plainly (width 1, as adaptive verification chooses) still appends the decoded position to
+    its drafter context, so the next drafted block reads every committed position: the drafter's context length
+    follows the target cache's through plain and drafted steps (a hole per plain step degraded later drafts)."""
+    target, _, _ = pair
+    be = backend
+    ids = tuple(int(x) for x in _prompts(1, 20, target.config.vocab_size)[0])
+    be.insert(1, SamplingRequest(ids, 30, spec_mode="fixed"))
+    try:
+        for w in (1, 1, be.G + 1, 1, 4):
+            be.step([1], width=w)
+            t_len = int(np.asarray(be.state.cache.length)[1].reshape(-1)[0])
+            d_len = int(np.asarray(be.state.dcache.length)[1])
+            assert d_len == t_len, (w, d_len, t_len)
+    finally:
+        be.free(1)
