@@ -27,7 +27,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["expected_tokens", "choose_width", "monotone_costs", "CostTable", "calibrated", "SurvivalTracker"]
+__all__ = ["expected_tokens", "choose_width", "monotone_costs", "CostTable", "calibrated", "SurvivalTracker",
+           "next_width"]
 
 
 def expected_tokens(survival_RG: np.ndarray, caps_R: np.ndarray, width: int) -> float:
@@ -120,7 +121,8 @@ class SurvivalTracker:
     Refresh: a plain step drafts nothing, so it tells the tracker nothing; a slot that went plain on a pessimistic
     curve (and a prior and calibration pulled down by a hard stretch) would stay plain for good, since nothing it
     does can raise them. After ``refresh_after`` plain steps in a row, ``needs_refresh`` asks the scheduler for a
-    drafting width, whose block brings a fresh curve and outcome. Replayed on the shipped pair's greedy blocks
+    drafting width (the cheapest: the drafter scores the whole block at any width), whose block brings a fresh
+    curve and outcome. Replayed on the shipped pair's greedy blocks
     (16 held-out code prompts, 623 whole-block steps, b = 1; plain 5.5 ms, whole block 13 ms): without it the
     scheduler went plain for good after the eleventh prompt, 0.88x fixed; with it 1.12x fixed (decay 0.95,
     refresh after 8; 4 to 16 and decay 0.9 to 0.98 within 2%; at the concurrency-16 table 1.27x fixed)."""
@@ -164,3 +166,13 @@ class SurvivalTracker:
     def stepped_plain(self, slot: int) -> None:
         self.curve_SG[slot] += self.relax * (self.prior - self.curve_SG[slot])
         self.plain_run_S[slot] += 1
+
+
+def next_width(tracker: SurvivalTracker, slots: Sequence[int], caps_R: np.ndarray, batch: int, widths: Sequence[int],
+               costs: Mapping[tuple, float]) -> int:
+    """The width of the next step of ``slots``: the cheapest drafting width when one of them needs a refresh (the
+    drafter drafts, and its confidence head scores, the whole block at any width, so one verified draft refreshes
+    the curve), else ``choose_width`` over the tracker's curves."""
+    if tracker.needs_refresh(slots):
+        return min(w for w in widths if w > 1)
+    return choose_width(tracker.curve_SG[list(slots)], caps_R, batch, widths, costs)[0]

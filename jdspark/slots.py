@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.adaptive import CostTable, SurvivalTracker, choose_width
+from jdspark.adaptive import CostTable, SurvivalTracker, next_width
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -234,9 +234,7 @@ class SlotBackend:
                      if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > EXPLORE_EVERY]
             if stale:
                 return stale[0]
-        # a slot that stepped plainly for a while gets a drafting width: its curve is refreshed (SurvivalTracker)
-        widths = [w for w in self.widths if w > 1] if self.tracker.needs_refresh(slots) else self.widths
-        return choose_width(self.tracker.curve_SG[list(slots)], caps, b, widths, self.costs)[0]
+        return next_width(self.tracker, slots, caps, b, self.widths, self.costs)
 
     def ran(self, b: int, W: int) -> None:
         """Bookkeeping of a step launched at batch bucket b and width W (for ``EXPLORE_EVERY``)."""

@@ -8,11 +8,11 @@ Records, on the shipped pair at batch 1 and greedy, every whole-block step of ``
 those steps against each cost table (ms per step by verify width; by default the table ``warm_up`` measures here
 at batch 1, and the ones given with ``--cost-ms``): ``plain`` (W = 1), ``fixed`` (the whole block), ``oracle``
 (the best width for each step knowing its outcome: an upper bound), ``adaptive`` (``jdspark.adaptive``'s tracker
-and ``choose_width`` as the server runs them: the width from the previous block's calibrated curve, refreshed
-after ``SurvivalTracker.refresh_after`` plain steps), and ``adaptive_no_refresh``. A step verified at width W
-commits 1 + min(accepted, W - 1) tokens (exact under greedy for that block); the replay keeps the recorded block
-boundaries (a narrower step would move the next block's start: an approximation). What it is for: choosing the
-tracker's settings from this pair's real acceptance without a load test per setting.
+and ``next_width`` as the server runs them: the width from the previous block's calibrated curve, and the
+cheapest drafting width after ``SurvivalTracker.refresh_after`` plain steps), and ``adaptive_no_refresh``. A step
+verified at width W commits 1 + min(accepted, W - 1) tokens (exact under greedy for that block); the replay keeps
+the recorded block boundaries (a narrower step would move the next block's start: an approximation). What it is
+for: choosing the tracker's settings from this pair's real acceptance without a load test per setting.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def record(target, drafter, prompts, max_tokens: int) -> tuple:
 
 def replay(runs, table_ms: dict, policy: str, G: int, refresh_after: int = None) -> float:
     """Committed tokens per second of ``policy`` over the recorded steps against ``table_ms`` {W: ms}."""
-    from jdspark.adaptive import SurvivalTracker, choose_width, monotone_costs
+    from jdspark.adaptive import SurvivalTracker, monotone_costs, next_width
 
     widths = tuple(sorted(table_ms))
     costs = monotone_costs({(1, w): table_ms[w] for w in widths})
@@ -76,8 +76,7 @@ def replay(runs, table_ms: dict, policy: str, G: int, refresh_after: int = None)
             elif policy == "oracle":
                 W = max(widths, key=lambda w: (1 + min(acc, w - 1)) / costs[(1, w)])
             else:
-                ws = [w for w in widths if w > 1] if tr.needs_refresh([0]) else widths
-                W = choose_width(tr.curve_SG[[0]], np.array([G]), 1, ws, costs)[0]
+                W = next_width(tr, [0], np.array([G]), 1, widths, costs)
             tokens += 1 + min(acc, W - 1)
             ms += costs[(1, W)]
             if W > 1:

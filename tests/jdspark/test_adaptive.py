@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from jdspark.adaptive import CostTable, SurvivalTracker, choose_width, expected_tokens, monotone_costs
+from jdspark.adaptive import CostTable, SurvivalTracker, choose_width, expected_tokens, monotone_costs, next_width
 
 
 def test_expected_tokens_equals_a_simulated_acceptance_process():
@@ -119,6 +119,13 @@ def test_tracker_asks_for_a_drafting_step_after_a_run_of_plain_ones():
     assert not tr.needs_refresh([2])
     with pytest.raises(ValueError, match="refresh_after"):
         SurvivalTracker(1, 4, refresh_after=0)
+    # the scheduler's pick: choose_width over the curves, or the cheapest drafting width for a refresh
+    costs = {(1, w): 1.0 + w for w in (1, 2, 4)}
+    tr.curve_SG[:] = 0.01  # plain pays
+    assert next_width(tr, [0], np.array([3]), 1, (1, 2, 4), costs) == 1
+    for _ in range(3):
+        tr.stepped_plain(0)
+    assert next_width(tr, [0], np.array([3]), 1, (1, 2, 4), costs) == 2
 
 
 def test_tracker_calibrates_an_overconfident_head():
