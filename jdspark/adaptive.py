@@ -123,9 +123,8 @@ class SurvivalTracker:
     does can raise them. After ``refresh_after`` plain steps in a row, ``needs_refresh`` asks the scheduler for a
     drafting width (the cheapest: the drafter scores the whole block at any width), whose block brings a fresh
     curve and outcome. Replayed on the shipped pair's greedy blocks
-    (16 held-out code prompts, 623 whole-block steps, b = 1; plain 5.5 ms, whole block 13 ms): without it the
-    scheduler went plain for good after the eleventh prompt, 0.88x fixed; with it 1.12x fixed (decay 0.95,
-    refresh after 8; 4 to 16 and decay 0.9 to 0.98 within 2%; at the concurrency-16 table 1.27x fixed)."""
+    (``scripts/replay_adaptive.py``: 16 held-out code prompts, 617 whole-block steps, b = 1; docs/serving.md):
+    without it the scheduler went plain for good partway through, 0.74-0.84x fixed; with it 1.04-1.17x fixed."""
 
     def __init__(self, num_slots: int, block_size: int, *, momentum: float = 0.9, relax: float = 0.25,
                  calibration_decay: float = 0.95, refresh_after: int = 8):

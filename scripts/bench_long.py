@@ -156,6 +156,40 @@ def _decode(t_graph, d_graph, t_state, d_state, st0, first, *, max_new):
     return decode_loop(target, drafter, st0, first, max_new, SamplingParams(), -1, 0.0)
 
 
+@functools.partial(jax.jit, static_argnames=("t_graph",))
+def _forced_logits(t_graph, t_state, st0, tokens_N, steps):
+    """Plain decoding's logits [V] after feeding ``tokens_N[:steps]`` (the first is st0's anchor) from st0: what
+    decoding predicts for token ``steps`` of a generation whose first ``steps`` tokens are those."""
+    target = nnx.merge(t_graph, t_state)
+
+    def body(k, carry):
+        cache, _ = carry
+        res = target.forward(tokens_N[k][None, None], cache, mode="decode")
+        return res.cache, res.logits[0]
+
+    V = target.config.vocab_size
+    _, logits = jax.lax.fori_loop(0, steps, body, (st0.cache, jnp.zeros((V,), jnp.float32)))
+    return logits
+
+
+def divergence(t_graph, t_state, st0, plain_tokens, spec_tokens) -> dict:
+    """Where a DSpark run's tokens first differ from plain decoding's, and plain decoding's own logits there: the
+    gap between its token and DSpark's (a gap at rounding level is a near-tie the verify pass's other summation
+    order broke the other way; a large one is a bug) and its top-2 margin."""
+    n = min(plain_tokens.size, spec_tokens.size)
+    diff = np.nonzero(plain_tokens[:n] != spec_tokens[:n])[0]
+    if diff.size == 0:
+        return {"first_divergence": None}
+    i = int(diff[0])
+    st = jax.tree.map(jnp.copy, st0)
+    logits = np.asarray(_forced_logits(t_graph, t_state, st, jnp.asarray(plain_tokens, jnp.int32), i),
+                        np.float64)
+    top2 = np.sort(logits)[-2:]
+    return {"first_divergence": i, "plain_token": int(plain_tokens[i]), "spec_token": int(spec_tokens[i]),
+            "logit_gap_at_divergence": float(logits[plain_tokens[i]] - logits[spec_tokens[i]]),
+            "plain_top2_margin": float(top2[1] - top2[0])}
+
+
 def _decode_run(t_graph, t_state, d_graph, d_state, st0, first, max_new, repeats: int):
     """(tokens, GenStats, seconds, peak RSS) of the decode loop from ``st0``: the fastest of ``repeats`` runs,
     each from its own copy of st0 (the program donates it; the copy is made before the phase starts)."""
@@ -231,6 +265,9 @@ def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=No
             "new_tokens": int(toks.size), "per_position_accept": stats.per_position_accept,
             "lossless": bool(np.array_equal(toks, plain["tokens"])),
         })
+        if not entries[-1]["lossless"]:  # say where and by how much (the first token is the prefill's: i >= 1)
+            entries[-1].update(divergence(t_graph, t_state, Stream(st.anchor, st.cache, None, st.key),
+                                          plain["tokens"], toks))
         del st, first
     return entries
 

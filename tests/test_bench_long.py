@@ -5,6 +5,8 @@ prompts are the held-out files' tokens."""
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -63,3 +65,25 @@ def test_long_prompt_is_held_out_text():
     assert prompt.shape == (3000,) and cont.shape == (64,) and prompt[0] == tok.bos_id and held == 1.0
     text = bytes(prompt[1:].astype(np.uint8))
     assert text.startswith(b"# file: ") and text.count(b"# file: ") >= 1
+
+
+def test_divergence_finds_the_first_differing_token_and_plain_decodings_logits_there():
+    """A run that differs from plain decoding at token 3: divergence names index 3, and the gap it reports is
+    plain decoding's own logit of its token over the other's (teacher-forced decoding predicts plain's token there:
+    the gap is at least the top-2 margin, which is >= 0)."""
+    from jdspark.speculative import Stream
+
+    cfg = kimi.KimiConfig.tiny()
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    t_graph, t_state = nnx.split(target)
+    prompt = jnp.asarray(np.arange(3, 19, dtype=np.int32)[None])
+    st, first = bench_long._prefill(t_graph, None, t_state, None, prompt, jnp.int32(16), jax.random.key(0),
+                                    max_len=40, chunk=None)
+    st = Stream(st.anchor, st.cache, None, st.key)
+    toks, _, _, _ = bench_long._decode_run(t_graph, t_state, None, None, st, first, 8, 1)
+    assert bench_long.divergence(t_graph, t_state, st, toks, toks) == {"first_divergence": None}
+    other = toks.copy()
+    other[3] = (toks[3] + 1) % cfg.vocab_size
+    d = bench_long.divergence(t_graph, t_state, st, toks, other)
+    assert d["first_divergence"] == 3 and d["plain_token"] == toks[3] and d["spec_token"] == other[3]
+    assert d["plain_top2_margin"] >= 0 and d["logit_gap_at_divergence"] >= d["plain_top2_margin"] - 1e-6
