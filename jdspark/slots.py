@@ -41,8 +41,9 @@ from kimi.prefill import chunked_positions
 __all__ = ["SlotBackend", "buckets_up_to"]
 
 # Adaptive verification re-times a width the scheduler has not picked at a batch bucket for this many of its steps
-# (one step at that width): the cost table only learns from steps it runs, and warm_up's single timing of a width
-# can be off (this machine's load varies), which would otherwise keep that width out for good.
+# (two steps at that width: only the second is timed, see SlotBackend.collect): the cost table only learns from
+# steps it runs, and warm_up's timing of a width can be off (this machine's load varies), which would otherwise
+# keep that width out for good.
 EXPLORE_EVERY = 64
 
 
@@ -161,6 +162,7 @@ class SlotBackend:
         self._last_done, self._last_key = 0.0, None  # the last collected step: when it ended, its (b, W)
         self._adaptive_steps: dict = {}  # batch bucket -> adaptive steps scheduled; (b, W) -> the step W last ran
         self._last_run: dict = {}
+        self._explore: dict = {}  # batch bucket -> a width to run once more (a re-timing's second step)
         self.timings = CostTable()  # warm_up's times, then the steps served; ``costs`` is its table (a table set
         # from outside, without warm_up, stays as it was set)
         self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
@@ -228,11 +230,15 @@ class SlotBackend:
         if not self.costs:
             raise RuntimeError("adaptive verification needs the step costs: call warm_up() first")
         b = self._bucket(len(slots))
-        if self.timings:  # a width not run at this bucket for EXPLORE_EVERY steps is run once, to re-time it
+        if self.timings:  # a width not run at this bucket for EXPLORE_EVERY steps is run twice, to re-time it
             self._adaptive_steps[b] = self._adaptive_steps.get(b, 0) + 1
+            again = self._explore.pop(b, None)  # (the second step is the one timed: collect's steady state)
+            if again is not None:
+                return again
             stale = [w for w in self.widths
                      if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > EXPLORE_EVERY]
             if stale:
+                self._explore[b] = stale[0]
                 return stale[0]
         return next_width(self.tracker, slots, caps, b, self.widths, self.costs)
 
