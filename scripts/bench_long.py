@@ -247,7 +247,7 @@ def measure_length(target, drafter, prompt, max_new: int, windows, chunk_flag=No
             if share_prefill:
                 shared = (st, first)
         else:
-            st = _ring_stream(jax.tree.map(jnp.copy, shared[0]), window=w)
+            st = _ring_stream(shared[0], window=w)  # not donated; each decode run copies its stream
             first = shared[1]
         t_cache, d_cache = _nbytes(st.cache), _nbytes(st.dcache)
         if plain is None:  # plain decoding from a copy of the same target cache, once per length
