@@ -72,8 +72,20 @@ class _Static:
         return isinstance(other, _Static) and (other.obj is self.obj or other.obj == self.obj)
 
 
-def _merge(graph: Optional[_Static], state):
-    return nnx.merge(graph.obj, state) if graph is not None else None
+def _split(module) -> tuple:
+    """A module as (static graph and tree structure, its arrays as a flat tuple). Passed to a jit as a tuple of
+    arrays its ~300 leaves dispatch in C++; as an nnx State each step paid Python flattening of every Variable
+    (~1.5 ms of a ~7 ms batch-1 step on the default pair)."""
+    graph, state = nnx.split(module)
+    leaves, tree = jax.tree.flatten(state)
+    return _Static((graph, tree)), tuple(leaves)
+
+
+def _merge(graph: Optional[_Static], leaves):
+    if graph is None:
+        return None
+    g, tree = graph.obj
+    return nnx.merge(g, jax.tree.unflatten(tree, leaves))
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk"), donate_argnames=("state",))
@@ -135,9 +147,8 @@ class SlotBackend:
             if c is not None and chunked_positions(P, c) + self.G + 1 > self.max_len:
                 raise ValueError(f"prefill_chunk: bucket {P} in chunks of {c} writes {chunked_positions(P, c)} "
                                  f"positions; with a block they exceed max_len ({self.max_len})")
-        t_graph, self.t_state = nnx.split(self.target)
-        d_graph, self.d_state = nnx.split(self.drafter) if self.drafter is not None else (None, None)
-        self.t_graph, self.d_graph = _Static(t_graph), (_Static(d_graph) if d_graph is not None else None)
+        self.t_graph, self.t_state = _split(self.target)
+        self.d_graph, self.d_state = _split(self.drafter) if self.drafter is not None else (None, None)
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len))
@@ -265,10 +276,9 @@ class SlotBackend:
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
         launched = time.perf_counter()
         self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
-                                jnp.asarray(rows), jnp.asarray(self.params[rows, 0], jnp.float32),
-                                jnp.asarray(self.params[rows, 1], jnp.int32),
-                                jnp.asarray(self.params[rows, 2], jnp.float32),
-                                jnp.asarray(caps, jnp.int32), width=W, confidence=self.adaptive and W > 1,
+                                rows, self.params[rows, 0].astype(np.float32), self.params[rows, 1].astype(np.int32),
+                                self.params[rows, 2].astype(np.float32), caps.astype(np.int32),
+                                width=W, confidence=self.adaptive and W > 1,
                                 all_slots=all_slots)
         self.width_counts[W] += 1
         self.ran(b, W)

@@ -236,17 +236,19 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
-    cache = KimiCache.init(target.config, 1, max_len)
+    P = prompt_1P.shape[1]
     valid = jnp.reshape(prompt_len, (1,)).astype(jnp.int32)
     dcache = drafter.init_cache(1, max_len) if drafter is not None else None
-    if chunk is None:
-        pre = target.forward(prompt_1P, cache, mode="prefill", tap_layers=taps, valid_len_B=valid,
-                             media_MD=media_MD)
+    if chunk is None:  # on a cache of the prompt's length, padded after (KimiCache.padded_to)
+        pre = target.forward(prompt_1P, KimiCache.init(target.config, 1, min(P, max_len)), mode="prefill",
+                             tap_layers=taps, valid_len_B=valid, media_MD=media_MD)
         last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
-        cache = pre.cache
+        cache = pre.cache.padded_to(max_len)
         if drafter is not None:
             dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
     else:
+        cache = KimiCache.init(target.config, 1, max_len)
+
         def to_drafter(dc, taps_1CX, v_1, start):
             return drafter.append_context(dc, taps_1CX, v_1[0], start_pos=start)
 

@@ -49,6 +49,16 @@ class KimiCache:
             length=jnp.zeros((B,), jnp.int32),
         )
 
+    def padded_to(self, max_len: int) -> "KimiCache":
+        """The same cache with room for ``max_len`` positions (the latent caches' empty tail zero-padded). A
+        one-pass prefill runs on a cache of the prompt's own length and is padded after: its attention then
+        scores the prompt's keys, not the whole cache's (a 128-token prompt into 1024-position slots: 8x)."""
+        S = self.max_len
+        if max_len < S:
+            raise ValueError(f"max_len: expected >= the cache's {S} positions, got {max_len}")
+        pad = ((0, 0), (0, 0), (0, max_len - S), (0, 0))
+        return dataclasses.replace(self, mla_ckv=jnp.pad(self.mla_ckv, pad), mla_kpe=jnp.pad(self.mla_kpe, pad))
+
     @classmethod
     def abstract(cls, cfg: KimiConfig, batch_size: int, max_len: int) -> "KimiCache":
         """Shapes and dtypes only (nothing allocated)."""

@@ -78,3 +78,22 @@ def test_cache_too_small_for_the_last_chunk_is_an_error(model):
         prefill_chunked(model, toks, model.init_cache(1, 20), chunk=8)
     with pytest.raises(ValueError, match="chunk"):
         chunked_positions(20, 0)
+
+
+def test_prefill_on_a_prompt_sized_cache_padded_equals_the_full_cache(model, one_pass):
+    """``KimiCache.padded_to``: prefill on a cache of the prompt's own length, padded to 64, then decode: the same
+    logits and cache as a prefill into the 64-position cache (what ``prefill_stream`` relies on)."""
+    toks, valid, ref = one_pass
+    small = model.forward(toks, model.init_cache(2, T), mode="prefill", tap_layers=(1, 3), valid_len_B=valid)
+    padded = small.cache.padded_to(64)
+    assert padded.max_len == 64
+    np.testing.assert_array_equal(padded.mla_ckv[:, :, T:], 0)
+    for b, n in enumerate(np.asarray(valid)):
+        np.testing.assert_allclose(small.logits[b, :n], ref.logits[b, :n], atol=1e-4, rtol=0)
+    nxt = jnp.argmax(ref.logits[jnp.arange(2), valid - 1], -1)[:, None]
+    a = model.forward(nxt, padded, mode="decode")
+    b = model.forward(nxt, ref.cache, mode="decode")
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(a.cache.length, b.cache.length)
+    with pytest.raises(ValueError, match="max_len: expected >= the cache's 37 positions"):
+        small.cache.padded_to(36)
