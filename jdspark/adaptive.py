@@ -28,7 +28,24 @@ from typing import Mapping, Sequence
 import numpy as np
 
 __all__ = ["expected_tokens", "choose_width", "monotone_costs", "CostTable", "calibrated", "SurvivalTracker",
-           "next_width"]
+           "next_width", "probe_interval", "PROBE_BUDGET"]
+
+# The share of serving time the scheduler's probes may cost beyond what it would have run: a refresh (a drafting
+# step after a run of plain ones) and a re-timing of a width it has not picked. A probe that costs ``extra`` plain
+# steps more than a plain step runs once every ``probe_interval(extra)`` steps, so its cost stays at this share at
+# every batch: at b = 1 a one-draft step costs ~1.2 plain steps (refresh every ~9), at b = 16 ~2.2 (every ~62,
+# where the eleventh session's fixed 8 spent ~14% of a c = 16 cell on refreshes that could not pay).
+PROBE_BUDGET = 0.02
+
+
+def probe_interval(extra_steps: float, budget: float = PROBE_BUDGET) -> float:
+    """Steps between two probes that each cost ``extra_steps`` plain steps more than the step they replace, so
+    that probing costs ``budget`` of the time: ceil(extra / budget), at least 1; ``budget`` 0: never (inf)."""
+    if budget < 0:
+        raise ValueError(f"budget: expected >= 0, got {budget}")
+    if budget == 0:
+        return float("inf")
+    return max(1, int(np.ceil(max(float(extra_steps), 0.0) / budget)))
 
 
 def expected_tokens(survival_RG: np.ndarray, caps_R: np.ndarray, width: int) -> float:
@@ -120,22 +137,27 @@ class SurvivalTracker:
 
     Refresh: a plain step drafts nothing, so it tells the tracker nothing; a slot that went plain on a pessimistic
     curve (and a prior and calibration pulled down by a hard stretch) would stay plain for good, since nothing it
-    does can raise them. After ``refresh_after`` plain steps in a row, ``needs_refresh`` asks the scheduler for a
-    drafting width (the cheapest: the drafter scores the whole block at any width), whose block brings a fresh
-    curve and outcome. Replayed on the shipped pair's greedy blocks
+    does can raise them. After a run of plain steps, ``needs_refresh`` asks the scheduler for a drafting width (the
+    cheapest: the drafter scores the whole block at any width), whose block brings a fresh curve and outcome. The
+    run's length is ``probe_interval`` of that width's extra cost (``next_width``; ``refresh_budget``, default
+    ``PROBE_BUDGET``, 0 never refreshes), and at least ``refresh_min`` (a plain step is not second-guessed at once
+    where drafting costs next to nothing). Replayed on the shipped pair's greedy blocks
     (``scripts/replay_adaptive.py``: 16 held-out code prompts, 617 whole-block steps, b = 1; docs/serving.md):
     without it the scheduler went plain for good partway through, 0.74-0.84x fixed; with it 1.04-1.17x fixed."""
 
     def __init__(self, num_slots: int, block_size: int, *, momentum: float = 0.9, relax: float = 0.25,
-                 calibration_decay: float = 0.95, refresh_after: int = 8):
-        if refresh_after < 1:
-            raise ValueError(f"refresh_after: expected >= 1, got {refresh_after}")
+                 calibration_decay: float = 0.95, refresh_budget: float = PROBE_BUDGET, refresh_min: int = 8):
+        if refresh_budget < 0:
+            raise ValueError(f"refresh_budget: expected >= 0, got {refresh_budget}")
+        if refresh_min < 1:
+            raise ValueError(f"refresh_min: expected >= 1, got {refresh_min}")
+        self.refresh_min = int(refresh_min)
         self.prior = np.ones(block_size)
         self.curve_SG = np.ones((num_slots, block_size))
         self.momentum, self.relax = float(momentum), float(relax)
         self.decay = float(calibration_decay)
         self.predicted_G, self.hits_G = np.zeros(block_size), np.zeros(block_size)
-        self.refresh_after = int(refresh_after)
+        self.refresh_budget = float(refresh_budget)
         self.plain_run_S = np.zeros(num_slots, np.int64)  # plain steps in a row per slot
 
     @property
@@ -146,9 +168,9 @@ class SurvivalTracker:
         self.curve_SG[slot] = self.prior
         self.plain_run_S[slot] = 0
 
-    def needs_refresh(self, slots: Sequence[int]) -> bool:
-        """Whether a slot of ``slots`` has stepped plainly ``refresh_after`` times in a row (see the class doc)."""
-        return bool(np.any(self.plain_run_S[list(slots)] >= self.refresh_after))
+    def needs_refresh(self, slots: Sequence[int], after: float) -> bool:
+        """Whether a slot of ``slots`` has stepped plainly ``after`` times in a row (see the class doc)."""
+        return bool(np.any(self.plain_run_S[list(slots)] >= after))
 
     def observe(self, slot: int, survival_G: np.ndarray, drafted: int = None, accepted: int = None) -> None:
         """A slot's block: its survival curve, and (when given) how many drafts were verified and accepted."""
@@ -171,7 +193,11 @@ def next_width(tracker: SurvivalTracker, slots: Sequence[int], caps_R: np.ndarra
                costs: Mapping[tuple, float]) -> int:
     """The width of the next step of ``slots``: the cheapest drafting width when one of them needs a refresh (the
     drafter drafts, and its confidence head scores, the whole block at any width, so one verified draft refreshes
-    the curve), else ``choose_width`` over the tracker's curves."""
-    if tracker.needs_refresh(slots):
-        return min(w for w in widths if w > 1)
+    the curve; after ``probe_interval`` of its extra cost over a plain step, at least ``refresh_min``), else
+    ``choose_width`` over the tracker's curves."""
+    cheapest = min(w for w in widths if w > 1)
+    after = max(tracker.refresh_min,
+                probe_interval(costs[(batch, cheapest)] / costs[(batch, 1)] - 1, tracker.refresh_budget))
+    if tracker.needs_refresh(slots, after):
+        return cheapest
     return choose_width(tracker.curve_SG[list(slots)], caps_R, batch, widths, costs)[0]

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.adaptive import CostTable, SurvivalTracker, next_width
+from jdspark.adaptive import CostTable, SurvivalTracker, next_width, probe_interval
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -41,9 +41,10 @@ from kimi.prefill import chunked_positions
 __all__ = ["SlotBackend", "buckets_up_to"]
 
 # Adaptive verification re-times a width the scheduler has not picked at a batch bucket for this many of its steps
-# (two steps at that width: only the second is timed, see SlotBackend.collect): the cost table only learns from
-# steps it runs, and warm_up's timing of a width can be off (this machine's load varies), which would otherwise
-# keep that width out for good.
+# (two steps at that width: only the second is timed, see SlotBackend.collect), or more where those two steps
+# cost more than adaptive.PROBE_BUDGET of them (SlotBackend._explore_every): the cost table only learns from steps
+# it runs, and warm_up's timing of a width can be off (this machine's load varies), which would otherwise keep
+# that width out for good.
 EXPLORE_EVERY = 64
 
 
@@ -247,11 +248,17 @@ class SlotBackend:
             if again is not None:
                 return again
             stale = [w for w in self.widths
-                     if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > EXPLORE_EVERY]
+                     if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > self._explore_every(b, w)]
             if stale:
                 self._explore[b] = stale[0]
                 return stale[0]
         return next_width(self.tracker, slots, caps, b, self.widths, self.costs)
+
+    def _explore_every(self, b: int, w: int) -> float:
+        """Steps between two re-timings of width w at bucket b: EXPLORE_EVERY, or longer for a width whose two
+        steps cost more than ``adaptive.PROBE_BUDGET`` of that many plain steps (``adaptive.probe_interval``)."""
+        extra = 2 * (self.costs[(b, w)] / self.costs[(b, 1)] - 1)
+        return max(EXPLORE_EVERY, probe_interval(extra))
 
     def ran(self, b: int, W: int) -> None:
         """Bookkeeping of a step launched at batch bucket b and width W (for ``EXPLORE_EVERY``)."""

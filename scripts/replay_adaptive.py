@@ -9,7 +9,7 @@ those steps against each cost table (ms per step by verify width; by default the
 at batch 1, and the ones given with ``--cost-ms``): ``plain`` (W = 1), ``fixed`` (the whole block), ``oracle``
 (the best width for each step knowing its outcome: an upper bound), ``adaptive`` (``jdspark.adaptive``'s tracker
 and ``next_width`` as the server runs them: the width from the previous block's calibrated curve, and the
-cheapest drafting width after ``SurvivalTracker.refresh_after`` plain steps), and ``adaptive_no_refresh``. A step
+cheapest drafting width after a run of ``adaptive.probe_interval`` plain steps), and ``adaptive_no_refresh``. A step
 verified at width W commits 1 + min(accepted, W - 1) tokens (exact under greedy for that block); the replay keeps
 the recorded block boundaries (a narrower step would move the next block's start: an approximation). What it is
 for: choosing the tracker's settings from this pair's real acceptance without a load test per setting.
@@ -57,13 +57,13 @@ def record(target, drafter, prompts, max_tokens: int) -> tuple:
     return runs, table
 
 
-def replay(runs, table_ms: dict, policy: str, G: int, refresh_after: int = None) -> float:
+def replay(runs, table_ms: dict, policy: str, G: int, refresh_budget: float = None) -> float:
     """Committed tokens per second of ``policy`` over the recorded steps against ``table_ms`` {W: ms}."""
     from jdspark.adaptive import SurvivalTracker, monotone_costs, next_width
 
     widths = tuple(sorted(table_ms))
     costs = monotone_costs({(1, w): table_ms[w] for w in widths})
-    kw = {} if refresh_after is None else {"refresh_after": refresh_after}
+    kw = {} if refresh_budget is None else {"refresh_budget": refresh_budget}
     tr = SurvivalTracker(1, G, **kw)
     tokens = ms = 0.0
     for seq in runs:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     rows = []
     for name, table in [("warm_up", measured)] + [(f"given_{i}", t) for i, t in enumerate(a.cost_ms)]:
         res = {p: replay(runs, table, p, G) for p in ("plain", "fixed", "oracle", "adaptive")}
-        res["adaptive_no_refresh"] = replay(runs, table, "adaptive", G, refresh_after=10 ** 9)
+        res["adaptive_no_refresh"] = replay(runs, table, "adaptive", G, refresh_budget=0.0)
         best = max(res["plain"], res["fixed"])
         rows.append({"table": name, "cost_ms": {str(w): ms for w, ms in sorted(table.items())}, "tok_s": res,
                      "adaptive_over_best_of_plain_fixed": res["adaptive"] / best,

@@ -6,7 +6,16 @@ import itertools
 import numpy as np
 import pytest
 
-from jdspark.adaptive import CostTable, SurvivalTracker, choose_width, expected_tokens, monotone_costs, next_width
+from jdspark.adaptive import (
+    PROBE_BUDGET,
+    CostTable,
+    SurvivalTracker,
+    choose_width,
+    expected_tokens,
+    monotone_costs,
+    next_width,
+    probe_interval,
+)
 
 
 def test_expected_tokens_equals_a_simulated_acceptance_process():
@@ -101,31 +110,67 @@ def test_tracker():
 
 
 def test_tracker_asks_for_a_drafting_step_after_a_run_of_plain_ones():
-    """A plain step brings no curve: after ``refresh_after`` of them in a row a slot needs a drafting width (one
-    slot is enough for the step); a drafted block, or a new request, starts the count again."""
-    tr = SurvivalTracker(3, 4, refresh_after=3)
+    """A plain step brings no curve: after a run of them a slot needs a drafting width (one slot is enough for the
+    step); a drafted block, or a new request, starts the count again. The run's length is ``probe_interval`` of
+    the cheapest drafting width's extra cost, so refreshing costs PROBE_BUDGET of the time at every batch."""
+    tr = SurvivalTracker(3, 4)
     for _ in range(2):
         tr.stepped_plain(0)
         tr.stepped_plain(1)
-    assert not tr.needs_refresh([0, 1, 2])
+    assert not tr.needs_refresh([0, 1, 2], after=3)
     tr.stepped_plain(1)
-    assert tr.needs_refresh([0, 1]) and tr.needs_refresh([1]) and not tr.needs_refresh([0, 2])
+    assert tr.needs_refresh([0, 1], 3) and tr.needs_refresh([1], 3) and not tr.needs_refresh([0, 2], 3)
     tr.observe(1, np.array([0.5, 0.2, 0.1, 0.0]), drafted=1, accepted=0)
-    assert not tr.needs_refresh([0, 1, 2])
+    assert not tr.needs_refresh([0, 1, 2], 3)
     for _ in range(3):
         tr.stepped_plain(2)
-    assert tr.needs_refresh([2])
+    assert tr.needs_refresh([2], 3)
     tr.reset(2)
-    assert not tr.needs_refresh([2])
-    with pytest.raises(ValueError, match="refresh_after"):
-        SurvivalTracker(1, 4, refresh_after=0)
-    # the scheduler's pick: choose_width over the curves, or the cheapest drafting width for a refresh
+    assert not tr.needs_refresh([2], 3)
+    with pytest.raises(ValueError, match="refresh_budget"):
+        SurvivalTracker(1, 4, refresh_budget=-0.1)
+    with pytest.raises(ValueError, match="refresh_min"):
+        SurvivalTracker(1, 4, refresh_min=0)
+    # the interval: ceil(extra / budget); a budget of 0 never probes
+    assert probe_interval(0.2, 0.02) == 10 and probe_interval(1.2, 0.02) == 60 and probe_interval(0.0) == 1
+    assert probe_interval(5.0, 0.0) == float("inf")
+    with pytest.raises(ValueError, match="budget"):
+        probe_interval(1.0, -1.0)
+    # the scheduler's pick: choose_width over the curves, or the cheapest drafting width for a refresh; a drafting
+    # step costing 0.5 plain steps more (2 -> 3 s) refreshes after ceil(0.5 / PROBE_BUDGET) plain steps
     costs = {(1, w): 1.0 + w for w in (1, 2, 4)}
+    after = probe_interval(costs[(1, 2)] / costs[(1, 1)] - 1)
+    assert after == int(np.ceil(0.5 / PROBE_BUDGET))
+    tr.reset(0)
     tr.curve_SG[:] = 0.01  # plain pays
-    assert next_width(tr, [0], np.array([3]), 1, (1, 2, 4), costs) == 1
-    for _ in range(3):
+    picks = []
+    for _ in range(after + 1):
+        picks.append(next_width(tr, [0], np.array([3]), 1, (1, 2, 4), costs))
+        if picks[-1] == 1:
+            tr.stepped_plain(0)
+        tr.curve_SG[:] = 0.01
+    assert picks == [1] * after + [2]
+    # at a batch where drafting costs more, the run is longer
+    costs16 = {(16, 1): 1.0, (16, 2): 2.2, (16, 4): 3.0}
+    tr.reset(0)
+    tr.curve_SG[:] = 0.01
+    for _ in range(after):
         tr.stepped_plain(0)
-    assert next_width(tr, [0], np.array([3]), 1, (1, 2, 4), costs) == 2
+        tr.curve_SG[:] = 0.01
+    assert next_width(tr, [0], np.array([3]), 16, (1, 2, 4), costs16) == 1
+    # drafting at no extra cost: still not before refresh_min plain steps
+    free = {(1, w): 1.0 for w in (1, 2, 4)}
+    tr.reset(0)
+    for n in range(tr.refresh_min):
+        tr.curve_SG[:] = 0.0  # drafts never survive: only a refresh drafts
+        assert next_width(tr, [0], np.array([3]), 1, (1, 2, 4), free) == 1, n
+        tr.stepped_plain(0)
+    tr.curve_SG[:] = 0.0
+    assert next_width(tr, [0], np.array([3]), 1, (1, 2, 4), free) == 2
+    never = SurvivalTracker(1, 4, refresh_budget=0.0)
+    never.curve_SG[:] = 0.01
+    never.plain_run_S[:] = 10 ** 6
+    assert next_width(never, [0], np.array([3]), 1, (1, 2, 4), costs) == 1
 
 
 def test_tracker_calibrates_an_overconfident_head():

@@ -162,8 +162,10 @@ def test_served_steps_time_the_cost_table_except_across_a_prefill(pair, backend)
     and its collect, as an arriving request does: its wall time is the prefill's as much as the step's)."""
     target, _, _ = pair
     be = backend
-    saved = (dict(be.costs), be.timings, list(be.modes), be.params.copy())
+    saved = (dict(be.costs), be.timings, list(be.modes), be.params.copy(), be._adaptive_steps, be._last_run,
+             be._explore)
     try:
+        be._adaptive_steps, be._last_run, be._explore = {}, {}, {}  # no re-timing step due from earlier tests
         be.timings = CostTable()
         for w in be.widths:
             be.timings.observe((4, w), 1.0)
@@ -190,14 +192,17 @@ def test_served_steps_time_the_cost_table_except_across_a_prefill(pair, backend)
         assert grown == {(4, h["W"])} and counts()[(4, h["W"])] == before[(4, h["W"])] + 1
         assert 0 < be.timings.samples[(4, h["W"])][-1] < 1.0  # a real step's seconds, not the seeded 1.0
     finally:
-        be.costs, be.timings, be.modes, be.params = saved
+        be.costs, be.timings, be.modes, be.params, be._adaptive_steps, be._last_run, be._explore = saved
         for s in range(4):
             be.free(s)
 
 
 def test_adaptive_drafts_again_after_a_run_of_plain_steps(backend):
-    """Curves that make a plain step pay keep the step plain until a slot has stepped plainly ``refresh_after``
-    times in a row; then the scheduler picks the cheapest drafting width (the tracker's refresh), not plain again."""
+    """Curves that make a plain step pay keep the step plain until a slot has stepped plainly a run of times
+    (``adaptive.probe_interval`` of the cheapest drafting width's extra cost); then the scheduler picks that width
+    (the tracker's refresh), not plain again."""
+    from jdspark.adaptive import probe_interval
+
     be = backend
     saved = (dict(be.costs), be.timings, list(be.modes), be.params.copy(), be.tracker.curve_SG.copy(),
              be.tracker.plain_run_S.copy())
@@ -208,14 +213,17 @@ def test_adaptive_drafts_again_after_a_run_of_plain_steps(backend):
             be.params[s, 3], be.modes[s] = be.G, "adaptive"
         be.tracker.curve_SG[:4] = 0.05
         be.tracker.plain_run_S[:4] = 0
+        cheapest = min(w for w in be.widths if w > 1)
+        after = probe_interval(be.costs[(4, cheapest)] / be.costs[(4, 1)] - 1)
+        assert after == 75  # width 4: (1 + 4) / (1 + 1) - 1 = 1.5 plain steps extra, at a budget of 0.02
         picks = []
-        for _ in range(be.tracker.refresh_after + 1):
+        for _ in range(after + 1):
             picks.append(be.choose_width([0, 1, 2, 3]))
             if picks[-1] == 1:
                 for s in range(4):
                     be.tracker.stepped_plain(s)
             be.tracker.curve_SG[:4] = 0.05  # the prior stays pessimistic too
-        assert picks[:-1] == [1] * be.tracker.refresh_after and picks[-1] == min(w for w in be.widths if w > 1)
+        assert picks[:-1] == [1] * after and picks[-1] == cheapest
     finally:
         (be.costs, be.timings, be.modes, be.params, be.tracker.curve_SG, be.tracker.plain_run_S) = saved
 
