@@ -4,6 +4,7 @@
     python scripts/train_drafter.py --target checkpoints/default/target --out runs/drafter --steps 1500
     python scripts/train_drafter.py ... --resume                 # continue exactly from the last checkpoint
     python scripts/train_drafter.py ... --export checkpoints/default/drafter   # speculators format
+    python scripts/train_drafter.py ... --init checkpoints/default/drafter     # continue from a shipped drafter
 
 The target is loaded as shipped (experts MXFP4) and frozen; each step runs its jitted prefill over a packed batch
 of the training corpus for the taps and final hidden states (online extraction), then one AdamW step of the
@@ -51,7 +52,11 @@ def train(a) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     target = kimi.load_checkpoint(a.target)
     tokenizer = kimi.load_tokenizer(a.target, vocab_size=target.config.vocab_size)
-    drafter = build_drafter(target, a, tokenizer)
+    if a.init:  # a new run from a saved drafter's weights (its architecture; a fresh optimizer and schedule)
+        drafter = jdspark.load_drafter(a.init, target=target)
+        print(f"[train_drafter] initialised from {a.init}", file=sys.stderr)
+    else:
+        drafter = build_drafter(target, a, tokenizer)
     t_graph, t_state = nnx.split(target)
     d_graph, params, rest = jt.split_drafter(drafter)
     opt = jt.OptConfig(lr=a.lr, steps=a.steps, warmup=min(100, a.steps // 20 + 1), min_lr_ratio=0.1,
@@ -129,6 +134,10 @@ def parse_args(argv=None):
     p.add_argument("--keep", type=int, default=2)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init", default=None,
+                   help="start from this drafter (speculators format, e.g. checkpoints/default/drafter): its weights "
+                        "and architecture (the architecture flags are not used), a fresh optimizer and schedule; "
+                        "with --resume a checkpoint in --out still wins")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step")
     p.add_argument("--export", default=None, help="write the trained drafter here (speculators format)")
     p.add_argument("--json", action="store_true")

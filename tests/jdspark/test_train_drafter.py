@@ -48,3 +48,16 @@ def test_smoke_and_resume(target_dir, tmp_path):
     for a, b in zip(_params(full["_drafter"]), _params(resumed["_drafter"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
     assert resumed["final"]["loss"] == pytest.approx(full["final"]["loss"], abs=1e-6)
+
+
+def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
+    """``--init``: a new run from an exported drafter takes its weights and architecture (the flags' different
+    Markov rank is not used); at learning rate 0 the weights come out as they went in."""
+    first = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "a"), "--export",
+                                str(tmp_path / "export")] + ARGS)
+    args = [a if a != "8" else "4" for a in ARGS]  # --markov-rank 4 (and --anchors 4): the init's rank wins
+    again = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--init",
+                                str(tmp_path / "export"), "--lr", "0"] + args)
+    assert again["_drafter"].config.markov_rank == first["_drafter"].config.markov_rank == 8
+    for a, b in zip(_params(first["_drafter"]), _params(again["_drafter"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
