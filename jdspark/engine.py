@@ -197,10 +197,13 @@ class Engine:
                             self.slots[s] = None  # nothing was placed on the device
                         self._finish(req, "abort", error=str(e))
                         continue
-                    self._commit(s, req, first, prefill=True)
+                    self._commit(s, req, [first], prefill=True)
                 active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
                 if pipelined:  # launch this step, then commit the previous one's tokens while it computes
-                    launched = (self.backend.launch(active), {s: self.slots[s] for s in active}) if active else None
+                    launched = None
+                    if active:  # several steps per launch only while no request waits for a slot
+                        steps = self.backend.steps_for(len(active)) if not self.waiting else 1
+                        launched = (self.backend.launch(active, steps=steps), {s: self.slots[s] for s in active})
                     if pending is not None:
                         outs = self.backend.collect(pending[0])
                         for s, req in pending[1].items():
@@ -210,7 +213,7 @@ class Engine:
                 elif active:
                     outs = self.backend.step(active)
                     for s in active:
-                        self._commit(s, self.slots[s], outs[s])
+                        self._commit(s, self.slots[s], [outs[s]])
                 with self._cv:
                     for s, r in enumerate(self.slots):
                         if r is not None and r.finished is not None:
@@ -238,24 +241,29 @@ class Engine:
         self.slots[s] = None
         self.backend.free(s)
 
-    def _commit(self, s: int, req: Request, out: StepOutput, prefill: bool = False) -> None:
-        """Append a step's tokens to ``req``, cut at EOS / max_tokens / a stop string, and send the event."""
+    def _commit(self, s: int, req: Request, outs: Sequence[StepOutput], prefill: bool = False) -> None:
+        """Append the tokens of a launch's steps (in order) to ``req``, cut at EOS / max_tokens / a stop string,
+        and send one event. Steps after the one that ended the request are not counted."""
         if req.finished is not None or req.cancelled:
             return
         now = time.monotonic()
+        reason, take, used = None, [], []
+        for out in outs:
+            used.append(out)
+            for t in out.tokens:
+                take.append(int(t))
+                if len(req.output_ids) + len(take) >= req.sampling.max_tokens:
+                    reason = "length"
+                    break
+                if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
+                    reason = "stop"
+                    break
+            if reason is not None:
+                break
         if not prefill:
-            req.steps += 1
-            req.drafted += out.drafted
-            req.accepted += out.accepted
-        reason, take = None, []
-        for t in out.tokens:
-            take.append(int(t))
-            if len(req.output_ids) + len(take) >= req.sampling.max_tokens:
-                reason = "length"
-                break
-            if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
-                reason = "stop"
-                break
+            req.steps += len(used)
+            req.drafted += sum(o.drafted for o in used)
+            req.accepted += sum(o.accepted for o in used)
         req.output_ids += take
         req.text += req.decoder.add(take)
         if reason is not None:
@@ -271,7 +279,7 @@ class Engine:
         delta = req.text[req.sent:upto]
         req.sent = upto
         if self.metrics:
-            self.metrics.step(req, out, take, now, prefill)
+            self.metrics.step(req, used, take, now, prefill)
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now

@@ -306,8 +306,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
                          "decides: chunks of 1024 above 4096 tokens)")
+    ap.add_argument("--multi-step", type=int, default=4,
+                    help="steps per device launch at batch buckets <= 2 while no request waits (1: one per launch)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
+    if a.multi_step < 1:
+        ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
     tdir, ddir = os.path.join(a.checkpoint, "target"), os.path.join(a.checkpoint, "drafter")
@@ -317,6 +321,7 @@ def main(argv=None) -> int:
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
+                          multi_step=a.multi_step,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,

@@ -74,12 +74,13 @@ class ServeMetrics:
     def queue_time(self, seconds: float) -> None:
         self._m(self.queue).observe(seconds)
 
-    def step(self, req, out, taken, now: float, prefill: bool) -> None:
-        """One slot's step: tokens counted, acceptance recorded (speculative steps), latencies observed."""
+    def step(self, req, outs, taken, now: float, prefill: bool) -> None:
+        """One slot's commit of a launch's steps ``outs`` (StepOutputs, in order; the prefill's first token is one):
+        tokens counted, acceptance recorded per speculative step, latencies observed."""
         if prefill:
             self._m(self.prompt_tokens).inc(len(req.sampling.prompt_ids))
         self._m(self.generation_tokens).inc(len(taken))
-        if not prefill:
+        for out in outs if not prefill else ():
             self._m(self.verified).observe(out.verified)
             if out.drafted:
                 self._m(self.num_drafts).inc()

@@ -101,13 +101,16 @@ def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_l
     return state, first
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots"),
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps"),
                    donate_argnames=("state",))
 def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, topp_b, cap_b, *, width, confidence,
-          all_slots=False):
-    """One step of the rows ``rows_b`` (slot indices; a padded bucket may repeat a row: only its first copy is
-    written back, and copies compute the same thing). ``all_slots``: ``rows_b`` is every slot in order, so the
-    state is stepped as it is (no gather of the rows and scatter back: ~2 x the state's bytes of copying)."""
+          all_slots=False, steps=1):
+    """``steps`` steps of the rows ``rows_b`` (slot indices; a padded bucket may repeat a row: only its first copy
+    is written back, and copies compute the same thing), each at ``width``; outputs stacked [steps, b, ...].
+    ``all_slots``: ``rows_b`` is every slot in order, so the state is stepped as it is (no gather of the rows and
+    scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a ``lax.scan``): one launch, one gather and
+    scatter and one read-back for several steps (multi-step scheduling: the host's round trip per step is what a
+    batch-1 step spends most on here)."""
     target, drafter = _merge(t_graph, t_state), _merge(d_graph, d_state)
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
     batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
@@ -118,8 +121,15 @@ def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, top
             return plain_step(target, st, sp, drafter)
         return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence)
 
-    with dispatch.mapped_rows(int(rows_b.shape[0])):
-        new, out = jax.vmap(one)(sub, temp_b, topk_b, topp_b, cap_b)
+    def mapped(rows_state, _=None):
+        with dispatch.mapped_rows(int(rows_b.shape[0])):
+            return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, cap_b)
+
+    if steps == 1:
+        new, out = mapped(sub)
+        out = jax.tree.map(lambda x: x[None], out)
+    else:
+        new, out = jax.lax.scan(mapped, sub, None, length=steps)
     state = new if all_slots else jax.tree.map(lambda s, n: s.at[rows_b].set(n), state, new)
     return state, out
 
@@ -130,9 +140,15 @@ class SlotBackend:
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
-                 prefill_chunk: Optional[int] = None):
+                 prefill_chunk: Optional[int] = None, multi_step: int = 1, multi_step_max_batch: int = 2):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
+        if multi_step < 1 or multi_step_max_batch < 1:
+            raise ValueError(f"multi_step, multi_step_max_batch: expected >= 1, got {multi_step}, "
+                             f"{multi_step_max_batch}")
+        # multi-step scheduling: up to ``multi_step`` steps per launch at batch buckets <= multi_step_max_batch
+        # (where the host's round trip per step costs most), when the engine has no request waiting
+        self.multi_step, self.multi_step_max_batch = int(multi_step), int(multi_step_max_batch)
         self.target, self.drafter = serving_pair(target, drafter)
         self.source, self.cfg = target, target.config  # source: the loaded target (its vision tower encodes images)
         self.num_slots, self.max_len = int(num_slots), int(max_len)
@@ -178,6 +194,7 @@ class SlotBackend:
         self.timings = CostTable()  # warm_up's times, then the steps served; ``costs`` is its table (a table set
         # from outside, without warm_up, stays as it was set)
         self.width_counts: collections.Counter = collections.Counter()  # steps served per verify width
+        self.launch_steps: collections.Counter = collections.Counter()  # launches per steps-per-launch
 
     # ------------------------------------------------------------------ Backend
     def prompt_bucket(self, n: int) -> int:
@@ -192,6 +209,8 @@ class SlotBackend:
         if n + req.max_tokens + self.G + 1 > self.max_len:
             raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) + a block ({self.G + 1}) exceed the "
                              f"slots' cache of {self.max_len} positions")
+        # (a multi-step launch may step a row past its request's end: those positions are written only after the
+        # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
         padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
         padded[0, :n] = req.prompt_ids
         mode = req.spec_mode or ("adaptive" if self.adaptive else "fixed")
@@ -268,13 +287,24 @@ class SlotBackend:
         return next(x for x in self.batch_buckets if x >= n)
 
     def step(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
-        return self.collect(self.launch(slots, width))
+        """One step of ``slots``, waited for: {slot: StepOutput}."""
+        return {s: outs[0] for s, outs in self.collect(self.launch(slots, width)).items()}
 
-    def launch(self, slots: Sequence[int], width: Optional[int] = None) -> dict:
-        """Dispatch one step of ``slots`` without waiting for it (JAX runs it asynchronously): the engine commits
-        the previous step's tokens on the host while this one computes. Returns the handle ``collect`` reads."""
+    def steps_for(self, n: int) -> int:
+        """Steps per launch for ``n`` active slots (multi-step scheduling; 1 above ``multi_step_max_batch``)."""
+        return self.multi_step if self._bucket(n) <= self.multi_step_max_batch else 1
+
+    def launch(self, slots: Sequence[int], width: Optional[int] = None, steps: int = 1) -> dict:
+        """Dispatch ``steps`` steps of ``slots`` without waiting for them (JAX runs them asynchronously): the engine
+        commits the previous launch's tokens on the host while this one computes. Returns the handle ``collect``
+        reads. ``steps`` > 1: the steps of one launch share one width (chosen from the curves known now, so still
+        before any of their drafts are drawn)."""
         slots = list(slots)
         b = self._bucket(len(slots))
+        steps = int(steps)
+        if steps != 1 and (steps != self.multi_step or b > self.multi_step_max_batch):
+            raise ValueError(f"steps: {steps} per launch is compiled only as multi_step ({self.multi_step}) at "
+                             f"batch buckets <= {self.multi_step_max_batch}; got batch bucket {b}")
         # the largest bucket steps every slot in slot order (free slots too: their rows are reset on insert)
         all_slots = b == self.num_slots
         rows = np.arange(b, dtype=np.int32) if all_slots else np.array(slots + [slots[0]] * (b - len(slots)),
@@ -286,20 +316,23 @@ class SlotBackend:
                                 rows, self.params[rows, 0].astype(np.float32), self.params[rows, 1].astype(np.int32),
                                 self.params[rows, 2].astype(np.float32), caps.astype(np.int32),
                                 width=W, confidence=self.adaptive and W > 1,
-                                all_slots=all_slots)
-        self.width_counts[W] += 1
+                                all_slots=all_slots, steps=steps)
+        self.width_counts[W] += steps
+        self.launch_steps[steps] += 1
         self.ran(b, W)
         return {"out": out, "slots": slots, "b": b, "W": W, "all_slots": all_slots, "launched": launched,
+                "steps": steps,
                 "timed": width is None, "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
 
     def collect(self, h: dict) -> dict:
-        """Wait for a launched step and return {slot: StepOutput}. A slot prefilled again since the launch (its
-        request ended and another took it) still gets its row, which the engine drops; the scheduler ignores it."""
+        """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
+        launch (its request ended and another took it) still gets its rows, which the engine drops; the scheduler
+        ignores them."""
         out = h["out"]
         new, n_new, drafted, accepted, surv = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted,
                                                                out.survival))
         done = time.perf_counter()
-        b, W = h["b"], h["W"]
+        b, W, k_steps = h["b"], h["W"], h["steps"]
         key = (b, W)
         # serving: the table warm_up measured follows the steps served, in steady state only. Pipelined, a step's
         # time (from the previous one's end to its own) also holds the host's commit of the previous step's tokens,
@@ -307,21 +340,25 @@ class SlotBackend:
         # block's commit), and not when it shared the device with a prefill (an insert between launch and now)
         if (h["timed"] and key in self.timings and h["prefills"] == sum(self.inserts)
                 and self._last_key == key):
-            self.timings.observe(key, done - max(h["launched"], self._last_done))
+            self.timings.observe(key, (done - max(h["launched"], self._last_done)) / k_steps)
             self.costs = self.timings.table
         self._last_done, self._last_key = done, key
-        new = np.asarray(new).reshape(b, -1)
-        n_new, drafted, accepted = (np.asarray(x).reshape(-1) for x in (n_new, drafted, accepted))
+        new = np.asarray(new).reshape(k_steps, b, -1)
+        n_new, drafted, accepted = (np.asarray(x).reshape(k_steps, -1) for x in (n_new, drafted, accepted))
+        surv = None if surv is None else np.asarray(surv).reshape(k_steps, b, -1)
         res = {}
         for j, (s, ins) in enumerate(zip(h["slots"], h["inserts"])):
             i = s if h["all_slots"] else j
-            k = int(n_new[i])
-            res[s] = StepOutput(new[i, :k].tolist(), drafted=int(drafted[i]), accepted=int(accepted[i]), verified=W)
-            if self.params[s, 3] > 0 and ins == self.inserts[s]:
-                if surv is not None:
-                    self.tracker.observe(s, np.asarray(surv)[i], int(drafted[i]), int(accepted[i]))
-                else:
-                    self.tracker.stepped_plain(s)
+            res[s] = []
+            for t in range(k_steps):
+                k = int(n_new[t, i])
+                res[s].append(StepOutput(new[t, i, :k].tolist(), drafted=int(drafted[t, i]),
+                                         accepted=int(accepted[t, i]), verified=W))
+                if self.params[s, 3] > 0 and ins == self.inserts[s]:
+                    if surv is not None:
+                        self.tracker.observe(s, surv[t, i], int(drafted[t, i]), int(accepted[t, i]))
+                    else:
+                        self.tracker.stepped_plain(s)
         return res
 
     def free(self, slot: int) -> None:
@@ -342,6 +379,8 @@ class SlotBackend:
                 for s in range(b):
                     self.params[s, 3] = self.G if w > 1 else 0
                 self.step(list(range(b)), width=w)  # compile
+                if self.steps_for(b) > 1:
+                    self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
                 if self.adaptive:
                     for _ in range(max(1, reps)):
                         t0 = time.perf_counter()
@@ -352,6 +391,7 @@ class SlotBackend:
             self.tracker.reset(s)
         self.tracker.prior[:] = 1.0
         self.width_counts.clear()
+        self.launch_steps.clear()
         self.timings = timings
         self.costs = dict(timings.table)
         return dict(self.costs)

@@ -53,11 +53,12 @@ def test_buckets():
 
 @pytest.fixture(scope="module")
 def backend(pair):
-    """One 4-slot backend for the module (its programs compile once): verify widths 1, 4 and G + 1."""
+    """One 4-slot backend for the module (its programs compile once): verify widths 1, 4 and G + 1; multi-step
+    launches of 3 steps whenever the engine has no request waiting."""
     target, drafter, _ = pair
     G = drafter.config.block_size
     return SlotBackend(target, drafter, num_slots=4, max_len=128, prompt_buckets=(64,), batch_buckets=(4,),
-                       adaptive=True, widths=(1, 4, G + 1))
+                       adaptive=True, widths=(1, 4, G + 1), multi_step=3, multi_step_max_batch=4)
 
 
 def test_engine_outputs_equal_batch_one_generate(pair, backend):
@@ -105,6 +106,33 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
           f"steps per verify width {dict(sorted(be.width_counts.items()))}")
     assert 1.0 < mean < G + 1
     assert len([w for w in be.width_counts if 1 < w < G + 1]) >= 1 and be.width_counts[G + 1] > 0
+    # served both ways: 3 steps per launch while nothing waited, one per launch while arrivals queued
+    assert be.launch_steps[3] > 0 and be.launch_steps[1] > 0, be.launch_steps
+
+
+def test_multi_step_launch_equals_single_steps(pair, backend):
+    """A launch of 3 steps commits what 3 launches of one commit (greedy and sampled rows, per-step outputs in
+    order), and a launch of an uncompiled step count is refused by name."""
+    target, _, _ = pair
+    be = backend
+    ids = [tuple(int(x) for x in p) for p in _prompts(2, 30, target.config.vocab_size)]
+    reqs = [SamplingRequest(ids[0], 16, seed=3, spec_mode="fixed"),
+            SamplingRequest(ids[1], 16, temperature=1.0, top_p=0.9, seed=4, spec_mode="fixed")]
+    runs = []
+    for steps in (1, 3):
+        for s, r in enumerate(reqs):
+            be.insert(s, r)
+        got = {0: [], 1: []}
+        for _ in range(3 // steps):
+            for s, outs in be.collect(be.launch([0, 1], width=be.G + 1, steps=steps)).items():
+                assert len(outs) == steps
+                got[s] += [(o.tokens, o.drafted, o.accepted) for o in outs]
+        runs.append(got)
+        for s in range(2):
+            be.free(s)
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="steps: 2 per launch"):
+        be.launch([0], steps=2)
 
 
 def test_sampled_slot_equals_generate(pair, backend):
