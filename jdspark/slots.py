@@ -11,6 +11,12 @@ anchor, RNG key), plus per-slot sampling parameters and draft caps on the host. 
 
 ``insert`` prefills one prompt at batch 1 (its length bucketed) and writes the row into its slot (slot index
 traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` before the server says ready.
+
+Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``multi_step_max_batch`` one launch may
+run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the engine has no request waiting for
+a slot; the engine commits them in order. Where one row's step is a few ms, the host's round trip per launch
+(dispatch, read-back, commit) is a large share of it; a row whose request ends mid-launch runs its remaining steps
+for nothing (at most ``multi_step - 1``).
 Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block).
 
 Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1); ``adaptive`` (``jdspark.adaptive``)
