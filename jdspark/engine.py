@@ -7,7 +7,8 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
     steps the backend, appends each slot's committed tokens to its request,
         (a backend with ``launch`` / ``collect`` is pipelined: step t + 1 is launched before step t's tokens are
         committed, so host work overlaps the device; a request that ended at step t had a row in step t + 1,
-        whose tokens are dropped)
+        whose tokens are dropped; such a backend's ``steps_for(n)`` says how many steps one launch may run for n
+        active slots, used while no request waits, and ``collect`` gives each slot its steps' outputs in order)
     ends a request on EOS (unless ``ignore_eos``), a stop string, ``max_tokens`` or cancellation, frees its slot,
     and hands each request its events (text deltas decoded incrementally, never a broken character).
 
