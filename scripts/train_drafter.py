@@ -80,6 +80,13 @@ def train(a) -> dict:
         return jt.summarize(jax.device_get(ms), drafter.config.block_size)
 
     t0, toks, history = time.time(), 0, []
+    if a.init and start == 0:  # the starting point on this run's own held-out split: what training adds to it
+        v = evaluate(params)
+        v["step"] = 0
+        history.append(v)
+        print(f"[train_drafter] val step 0 (--init): loss {v['loss']:.4f} accept_len {v['accept_len']:.2f} "
+              f"greedy {v['greedy_accept_len']:.2f} per-position {np.round(v['per_position_acc'], 2).tolist()}",
+              file=sys.stderr, flush=True)
     for step in range(start, a.steps):
         b = ds.batch_at(step)
         key = jax.random.fold_in(jax.random.key(a.seed), step)
@@ -106,7 +113,8 @@ def train(a) -> dict:
     drafter = nnx.merge(d_graph, params, rest)
     if a.export:
         jdspark.save_drafter(drafter, a.export)
-    return {"steps": a.steps, "final": history[-1] if history else None, "tokens_per_s": toks / (time.time() - t0),
+    return {"steps": a.steps, "initial": history[0] if a.init and history and history[0]["step"] == 0 else None,
+            "final": history[-1] if history else None, "tokens_per_s": toks / (time.time() - t0),
             "export": a.export, "_drafter": drafter}
 
 

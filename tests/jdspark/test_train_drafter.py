@@ -61,3 +61,6 @@ def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
     assert again["_drafter"].config.markov_rank == first["_drafter"].config.markov_rank == 8
     for a, b in zip(_params(first["_drafter"]), _params(again["_drafter"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the initial drafter is validated before the first step, on the same held-out batches and keys as the end
+    assert again["initial"]["step"] == 0 and first["initial"] is None
+    assert again["initial"]["loss"] == pytest.approx(again["final"]["loss"], abs=1e-6)
