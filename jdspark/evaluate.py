@@ -1,4 +1,5 @@
-"""Held-out likelihood of a target, per byte, so models with different vocabularies compare.
+"""Held-out figures: a target's likelihood per byte (so models with different vocabularies compare), and a
+drafter's acceptance when it is served.
 
     nll_BT = logsumexp(logits_BTV) - logits_BTV[target]       next-token negative log-likelihood (nats)
     mask_BT = doc_ids[:, 1:] == doc_ids[:, :-1]                no score across a document boundary (EOS -> BOS)
@@ -6,6 +7,8 @@
 
 with ``bytes`` from ``jdspark.data.byte_lengths`` (special ids count as one byte, as the byte vocabulary's EOS).
 ``token_nll`` is the loss the target trainer minimises; ``bits_per_byte`` evaluates a model on fixed batches.
+``served_acceptance``: tokens per target step of ``jdspark.generate`` on held-out prompts, greedy and sampled (the
+number a drafter is trained for, measured on the serving path rather than teacher-forced).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from flax import nnx
 
 from kimi.cache import KimiCache
 
-__all__ = ["token_nll", "bits_per_byte"]
+__all__ = ["token_nll", "bits_per_byte", "served_acceptance"]
 
 
 def token_nll(logits_BTV, tokens_BT1, doc_ids_BT1):
@@ -54,3 +57,29 @@ def bits_per_byte(model, batches: Sequence, lengths_V: np.ndarray) -> float:
         s, n = _nll_sums(state, jnp.asarray(b.tokens), jnp.asarray(b.doc_ids), lengths, graphdef=graphdef)
         nats, nbytes = nats + float(s), nbytes + float(n)
     return nats / math.log(2) / max(nbytes, 1.0)
+
+
+def served_acceptance(target, drafter, prompts: Sequence, max_new_tokens: int, temperatures=(0.0, 1.0),
+                      top_p: float = 0.95, seed: int = 0) -> dict:
+    """Tokens per target step of ``drafter`` served with ``target`` (``jdspark.generate``, EOS ignored so every
+    prompt runs ``max_new_tokens``), pooled over ``prompts``, per temperature: ``{"T=<t>": {"accept_len",
+    "per_position_accept", "target_steps"}}``. Sampled rows use nucleus ``top_p`` and seed ``seed + i`` for prompt
+    i, so two drafters compare on the same draws of the target's randomness."""
+    from jdspark.speculative import generate  # the fused loop imports this module's package: import on use
+
+    if not len(prompts) or max_new_tokens < 1:
+        raise ValueError(f"served_acceptance: need prompts and max_new_tokens >= 1, got {len(prompts)}, "
+                         f"{max_new_tokens}")
+    out = {}
+    for temp in temperatures:
+        steps = accepted = 0
+        counts = np.zeros(drafter.config.block_size, np.int64)
+        for i, p in enumerate(prompts):
+            o = generate(target, drafter, p, max_new_tokens=max_new_tokens, temperature=float(temp),
+                         top_p=top_p if temp > 0 else 1.0, seed=seed + i, eos_token_id=-1)
+            steps += int(o.stats.target_steps)
+            accepted += int(o.stats.accepted)
+            counts += np.asarray(o.stats.accept_counts)
+        out[f"T={float(temp):g}"] = {"accept_len": (accepted + steps) / steps, "target_steps": steps,
+                                    "per_position_accept": (counts / steps).tolist()}
+    return out

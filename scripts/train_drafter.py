@@ -9,7 +9,10 @@
 The target is loaded as shipped (experts MXFP4) and frozen; each step runs its jitted prefill over a packed batch
 of the training corpus for the taps and final hidden states (online extraction), then one AdamW step of the
 drafter on speculators' DSpark objective (jdspark.train). Reports the analytic accept_len and per-position
-accuracy on held-out files; orbax checkpoints (atomic, last --keep) with --resume.
+accuracy on held-out files; orbax checkpoints (atomic, last --keep) with --resume. At the end (and before the first
+step with --init) it serves the drafter: tokens per target step of ``jdspark.generate`` on ``--served-prompts``
+held-out prompts of the standard library (bench.py's code split; ``--served-corpus DIR`` for another), greedy and
+sampled at T=1 top-p 0.95, the figure a drafter is for (``served`` in the result; 0 prompts skips it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import jdspark
 import kimi
 from jdspark import data as jdata
 from jdspark import train as jt
+from jdspark.evaluate import served_acceptance
 
 
 def build_drafter(target, a, tokenizer) -> jdspark.DSparkDrafter:
@@ -74,6 +78,21 @@ def train(a) -> dict:
                                    tokenizer=tokenizer)
     kw = dict(d_graph=d_graph, t_graph=t_graph, num_anchors=a.anchors, loss=a.loss)
 
+    served_prompts = []
+    if a.served_prompts:
+        served_prompts = jdata.prompts_from_documents(
+            jdata.read_documents(jdata.list_files(a.served_corpus, "val")), a.served_prompts, 128, seed=a.seed,
+            tokenizer=tokenizer)
+
+    def served(params):
+        if not served_prompts:
+            return None
+        res = served_acceptance(target, nnx.merge(d_graph, params, rest), served_prompts, a.served_tokens,
+                                seed=a.seed)
+        print("[train_drafter] served: " + ", ".join(f"{t} accept_len {r['accept_len']:.2f}" for t, r in res.items()),
+              file=sys.stderr, flush=True)
+        return res
+
     def evaluate(params):
         ms = [jt.drafter_eval_step(params, rest, t_state, b.tokens[:, :-1], b.doc_ids[:, :-1],
                                    jax.random.key(10_000 + i), **kw) for i, b in enumerate(val)]
@@ -87,6 +106,7 @@ def train(a) -> dict:
         print(f"[train_drafter] val step 0 (--init): loss {v['loss']:.4f} accept_len {v['accept_len']:.2f} "
               f"greedy {v['greedy_accept_len']:.2f} per-position {np.round(v['per_position_acc'], 2).tolist()}",
               file=sys.stderr, flush=True)
+        v["served"] = served(params)
     for step in range(start, a.steps):
         b = ds.batch_at(step)
         key = jax.random.fold_in(jax.random.key(a.seed), step)
@@ -110,6 +130,8 @@ def train(a) -> dict:
         if a.stop_at is not None and step + 1 >= a.stop_at:
             break
     mngr.wait_until_finished()
+    if history and history[-1]["step"] == a.steps:  # a run that reached its last step (not --stop-at)
+        history[-1]["served"] = served(params)
     drafter = nnx.merge(d_graph, params, rest)
     if a.export:
         jdspark.save_drafter(drafter, a.export)
@@ -147,12 +169,19 @@ def parse_args(argv=None):
                         "and architecture (the architecture flags are not used), a fresh optimizer and schedule; "
                         "with --resume a checkpoint in --out still wins")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step")
+    p.add_argument("--served-prompts", type=int, default=8,
+                   help="held-out prompts the trained drafter is served on at the end (0: skip)")
+    p.add_argument("--served-tokens", type=int, default=128, help="new tokens per served prompt")
+    p.add_argument("--served-corpus", default=None,
+                   help="cut the served prompts from this directory's held-out split (default: the stdlib's)")
     p.add_argument("--export", default=None, help="write the trained drafter here (speculators format)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    for k in ("steps", "batch", "seq_len", "anchors", "block_size", "layers"):
+    for k in ("steps", "batch", "seq_len", "anchors", "block_size", "layers", "served_tokens"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.served_prompts < 0:
+        p.error(f"--served-prompts: expected >= 0 (0 skips serving the drafter), got {a.served_prompts}")
     return a
 
 

@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"
 import train_drafter  # noqa: E402
 
 ARGS = ["--steps", "4", "--batch", "2", "--seq-len", "48", "--anchors", "8", "--val-every", "4", "--val-batches",
-        "1", "--ckpt-every", "2", "--log-every", "2", "--block-size", "4", "--markov-rank", "8"]
+        "1", "--ckpt-every", "2", "--log-every", "2", "--block-size", "4", "--markov-rank", "8",
+        "--served-prompts", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,20 @@ def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
                                 str(tmp_path / "export")] + ARGS)
     args = [a if a != "8" else "4" for a in ARGS]  # --markov-rank 4 (and --anchors 4): the init's rank wins
     again = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--init",
-                                str(tmp_path / "export"), "--lr", "0"] + args)
+                                str(tmp_path / "export"), "--lr", "0"] + args + ["--served-prompts", "2",
+                                                                                  "--served-tokens", "12"])
     assert again["_drafter"].config.markov_rank == first["_drafter"].config.markov_rank == 8
     for a, b in zip(_params(first["_drafter"]), _params(again["_drafter"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the initial drafter is validated before the first step, on the same held-out batches and keys as the end
     assert again["initial"]["step"] == 0 and first["initial"] is None
     assert again["initial"]["loss"] == pytest.approx(again["final"]["loss"], abs=1e-6)
+    # and served (jdspark.generate on held-out prompts, greedy and sampled) before and after: the same drafter
+    # and seeds give the same tokens per target step, within 1 .. block + 1
+    assert first["final"].get("served") is None
+    before, after = again["initial"]["served"], again["final"]["served"]
+    assert set(after) == {"T=0", "T=1"} and before == after, (before, after)
+    for row in after.values():
+        assert 1.0 <= row["accept_len"] <= 1 + 4 and row["target_steps"] >= 12 // 5
+        assert all(0.0 <= x <= 1.0 for x in row["per_position_accept"])
+        assert row["accept_len"] == pytest.approx(1 + sum(row["per_position_accept"]))
