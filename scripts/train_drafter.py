@@ -93,20 +93,21 @@ def train(a) -> dict:
               file=sys.stderr, flush=True)
         return res
 
-    def evaluate(params):
+    def validate(params, step: int) -> dict:
+        """Teacher-forced figures on the held-out batches, printed and kept in ``history``."""
         ms = [jt.drafter_eval_step(params, rest, t_state, b.tokens[:, :-1], b.doc_ids[:, :-1],
                                    jax.random.key(10_000 + i), **kw) for i, b in enumerate(val)]
-        return jt.summarize(jax.device_get(ms), drafter.config.block_size)
-
-    t0, toks, history = time.time(), 0, []
-    if a.init and start == 0:  # the starting point on this run's own held-out split: what training adds to it
-        v = evaluate(params)
-        v["step"] = 0
+        v = dict(jt.summarize(jax.device_get(ms), drafter.config.block_size), step=step)
         history.append(v)
-        print(f"[train_drafter] val step 0 (--init): loss {v['loss']:.4f} accept_len {v['accept_len']:.2f} "
+        print(f"[train_drafter] val step {step}: loss {v['loss']:.4f} accept_len {v['accept_len']:.2f} "
               f"greedy {v['greedy_accept_len']:.2f} per-position {np.round(v['per_position_acc'], 2).tolist()}",
               file=sys.stderr, flush=True)
-        v["served"] = served(params)
+        return v
+
+    t0, toks, history, initial = time.time(), 0, [], None
+    if a.init and start == 0:  # the starting point on this run's own held-out split: what training adds to it
+        initial = validate(params, 0)
+        initial["served"] = served(params)
     for step in range(start, a.steps):
         b = ds.batch_at(step)
         key = jax.random.fold_in(jax.random.key(a.seed), step)
@@ -119,12 +120,7 @@ def train(a) -> dict:
             print(f"[train_drafter] step {step + 1}/{a.steps} loss {s['loss']:.4f} accept_len {s['accept_len']:.2f} "
                   f"{rate:.0f} tok/s", file=sys.stderr, flush=True)
         if (step + 1) % a.val_every == 0 or step + 1 == a.steps:
-            v = evaluate(params)
-            v["step"] = step + 1
-            history.append(v)
-            print(f"[train_drafter] val step {step + 1}: loss {v['loss']:.4f} accept_len {v['accept_len']:.2f} "
-                  f"greedy {v['greedy_accept_len']:.2f} per-position {np.round(v['per_position_acc'], 2).tolist()}",
-                  file=sys.stderr, flush=True)
+            validate(params, step + 1)
         if (step + 1) % a.ckpt_every == 0 or step + 1 == a.steps:
             jt.save_state(mngr, step + 1, (params, opt_state), {"step": step + 1})
         if a.stop_at is not None and step + 1 >= a.stop_at:
@@ -135,9 +131,8 @@ def train(a) -> dict:
     drafter = nnx.merge(d_graph, params, rest)
     if a.export:
         jdspark.save_drafter(drafter, a.export)
-    return {"steps": a.steps, "initial": history[0] if a.init and history and history[0]["step"] == 0 else None,
-            "final": history[-1] if history else None, "tokens_per_s": toks / (time.time() - t0),
-            "export": a.export, "_drafter": drafter}
+    return {"steps": a.steps, "initial": initial, "final": history[-1] if history else None,
+            "tokens_per_s": toks / (time.time() - t0), "export": a.export, "_drafter": drafter}
 
 
 def parse_args(argv=None):
