@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdspark.speculative import generate
 from kimi.cache import KimiCache
 
 __all__ = ["token_nll", "bits_per_byte", "served_acceptance"]
@@ -65,8 +66,6 @@ def served_acceptance(target, drafter, prompts: Sequence, max_new_tokens: int, t
     prompt runs ``max_new_tokens``), pooled over ``prompts``, per temperature: ``{"T=<t>": {"accept_len",
     "per_position_accept", "target_steps"}}``. Sampled rows use nucleus ``top_p`` and seed ``seed + i`` for prompt
     i, so two drafters compare on the same draws of the target's randomness."""
-    from jdspark.speculative import generate  # the fused loop imports this module's package: import on use
-
     if not len(prompts) or max_new_tokens < 1:
         raise ValueError(f"served_acceptance: need prompts and max_new_tokens >= 1, got {len(prompts)}, "
                          f"{max_new_tokens}")
