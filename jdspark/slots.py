@@ -22,7 +22,8 @@ Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a pl
 Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1); ``adaptive`` (``jdspark.adaptive``)
 picks W from the compiled widths (default 1, 2, 4, G + 1) by the confidence head's survival curves of each row's
 previous block and the step costs ``warm_up()`` measured. A step holding any ``fixed`` row runs at G + 1; a step
-whose rows all speculate 0 drafts is a plain decode (W = 1).
+whose rows all speculate 0 drafts is a plain decode (W = 1), run without the drafter when none of its rows ever
+drafts (their requests' caps are 0), and extending the drafter's context otherwise (adaptive's plain steps).
 """
 
 from __future__ import annotations
@@ -107,24 +108,25 @@ def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_l
     return state, first
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps",
+                                             "extend_context"), donate_argnames=("state",))
 def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, topp_b, cap_b, *, width, confidence,
-          all_slots=False, steps=1):
+          all_slots=False, steps=1, extend_context=True):
     """``steps`` steps of the rows ``rows_b`` (slot indices; a padded bucket may repeat a row: only its first copy
     is written back, and copies compute the same thing), each at ``width``; outputs stacked [steps, b, ...].
     ``all_slots``: ``rows_b`` is every slot in order, so the state is stepped as it is (no gather of the rows and
     scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a ``lax.scan``): one launch, one gather and
     scatter and one read-back for several steps (multi-step scheduling: the host's round trip per step is what a
-    batch-1 step spends most on here)."""
+    batch-1 step spends most on here). ``extend_context`` False (width 1 only): the plain step leaves the drafter's
+    context as it is (no drafter work at all): for rows that never draft (draft cap 0 for their whole request)."""
     target, drafter = _merge(t_graph, t_state), _merge(d_graph, d_state)
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
     batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
 
     def one(st, t, k, p, cap):
         sp = SamplingParams.rows(t, k, p, batch)
-        if drafter is None or width == 1:  # a plain step still extends the drafter's context (plain_step)
-            return plain_step(target, st, sp, drafter)
+        if drafter is None or width == 1:  # a plain step still extends the drafter's context (plain_step) of
+            return plain_step(target, st, sp, drafter if extend_context else None)  # rows that draft later
         return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence)
 
     def mapped(rows_state, _=None):
@@ -317,18 +319,23 @@ class SlotBackend:
                                                                             np.int32)
         caps = self.params[rows, 3]
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
+        # rows that never draft (cap 0: ``speculative: false``, free slots) need no drafter context: a plain step of
+        # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
+        extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         launched = time.perf_counter()
         self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                                 rows, self.params[rows, 0].astype(np.float32), self.params[rows, 1].astype(np.int32),
                                 self.params[rows, 2].astype(np.float32), caps.astype(np.int32),
                                 width=W, confidence=self.adaptive and W > 1,
-                                all_slots=all_slots, steps=steps)
+                                all_slots=all_slots, steps=steps, extend_context=extend)
         self.width_counts[W] += steps
         self.launch_steps[steps] += 1
         self.ran(b, W)
         return {"out": out, "slots": slots, "b": b, "W": W, "all_slots": all_slots, "launched": launched,
-                "steps": steps,
-                "timed": width is None, "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
+                "steps": steps, "extend": extend,
+                # the cost table is of steps that keep the drafter's context (adaptive schedules drafting rows)
+                "timed": width is None and extend,
+                "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
 
     def collect(self, h: dict) -> dict:
         """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
@@ -339,16 +346,16 @@ class SlotBackend:
                                                                out.survival))
         done = time.perf_counter()
         b, W, k_steps = h["b"], h["W"], h["steps"]
-        key = (b, W)
+        key, last = (b, W), (b, W, h["extend"])
         # serving: the table warm_up measured follows the steps served, in steady state only. Pipelined, a step's
         # time (from the previous one's end to its own) also holds the host's commit of the previous step's tokens,
         # so it is timed only after a step of the same (b, W) (a plain step after a whole block would carry the
         # block's commit), and not when it shared the device with a prefill (an insert between launch and now)
         if (h["timed"] and key in self.timings and h["prefills"] == sum(self.inserts)
-                and self._last_key == key):
+                and self._last_key == last):
             self.timings.observe(key, (done - max(h["launched"], self._last_done)) / k_steps)
             self.costs = self.timings.table
-        self._last_done, self._last_key = done, key
+        self._last_done, self._last_key = done, last
         new = np.asarray(new).reshape(k_steps, b, -1)
         n_new, drafted, accepted = (np.asarray(x).reshape(k_steps, -1) for x in (n_new, drafted, accepted))
         surv = None if surv is None else np.asarray(surv).reshape(k_steps, b, -1)
@@ -382,11 +389,13 @@ class SlotBackend:
         timings = CostTable()
         for b in self.batch_buckets:
             for w in self.widths:
-                for s in range(b):
-                    self.params[s, 3] = self.G if w > 1 else 0
-                self.step(list(range(b)), width=w)  # compile
-                if self.steps_for(b) > 1:
-                    self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
+                # width 1 has two programs: rows that never draft (no drafter) and rows that draft on other steps
+                # (the drafter's context extended; the one timed: adaptive schedules only drafting rows)
+                for cap in ((0, self.G) if w == 1 and self.drafter is not None else (self.G if w > 1 else 0,)):
+                    self.params[:b, 3] = cap
+                    self.step(list(range(b)), width=w)  # compile
+                    if self.steps_for(b) > 1:
+                        self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
                 if self.adaptive:
                     for _ in range(max(1, reps)):
                         t0 = time.perf_counter()

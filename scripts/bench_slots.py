@@ -4,13 +4,14 @@
   python scripts/bench_slots.py --slots 16 --max-len 1024 --batches 1,4,16 --json
 
 Each figure is ``SlotBackend.step`` (``jdspark/slots.py``) as the engine calls it: the host's dispatch, the
-device step of b active slots at verify width W (W = 1: a plain decode, no drafter pass) and the host reading its
-tokens back, in milliseconds, the fastest of ``--repeats`` rounds of ``--iters`` steps (the first call compiles,
-outside the timing). Every slot is filled by a held-out prompt of ``--prompt-len`` tokens first; ``greedy`` rows
-have temperature 0, ``sampled`` rows T = 1 (top-p 1). ``per_token_ms`` divides by the b rows (a plain decode
-commits one token per row; a verify commits accept_len). ``generate_plain_ms``: batch-1 ``jdspark.generate``'s
-plain decoding per token from the same prompt (one device program, no host round trip per step), beside it for
-comparison.
+device step of b active slots at verify width W and the host reading its tokens back, in milliseconds, the fastest
+of ``--repeats`` rounds of ``--iters`` steps (the first call compiles, outside the timing). W = 1 is a plain decode
+with no drafts, twice: ``drafter_context`` false, rows that never draft (no drafter work at all, as ``--spec off``
+traffic runs); true, the drafter's context extended (as adaptive's plain steps of drafting rows run). Every slot is
+filled by a held-out prompt of ``--prompt-len`` tokens first; ``greedy`` rows have temperature 0, ``sampled`` rows
+T = 1 (top-p 1). ``per_token_ms`` divides by the b rows (a plain decode commits one token per row; a verify commits
+accept_len). ``generate_plain_ms``: batch-1 ``jdspark.generate``'s plain decoding per token from the same prompt
+(one device program, no host round trip per step), beside it for comparison.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
-def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int) -> float:
-    """The fastest of ``repeats`` rounds of ``iters`` steps, each round from freshly prefilled slots."""
+def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int, cap: int) -> float:
+    """The fastest of ``repeats`` rounds of ``iters`` steps, each round from freshly prefilled slots whose draft
+    caps are ``cap`` (at width 1: 0, rows that never draft, no drafter work; G, the drafter's context extended)."""
     slots = list(range(batch))
     best = float("inf")
     for r in range(repeats + 1):
         refill(batch)
-        for s in slots:
-            be.params[s, 3] = be.G if width > 1 else 0
+        be.params[slots, 3] = cap
         if r == 0:
             be.step(slots, width=width)  # compile
             continue
@@ -65,8 +66,10 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
 
         for b in batches:
             for w in widths:
-                ms = step_ms(be, refill, b, w, iters, repeats)
-                rows.append({"rows": name, "batch": b, "width": w, "step_ms": ms, "per_token_ms": ms / b})
+                for cap in ((0, be.G) if w == 1 and be.G else (be.G if w > 1 else 0,)):
+                    ms = step_ms(be, refill, b, w, iters, repeats, cap)
+                    rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0, "step_ms": ms,
+                                 "per_token_ms": ms / b})
     p0 = np.asarray(prompts[0])
     jdspark.generate(target, None, p0, max_new_tokens=64)
     t0 = time.perf_counter()
@@ -104,7 +107,8 @@ def main(argv=None) -> int:
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
               iters=a.iters, repeats=a.repeats)
     for r in res["steps"]:
-        print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['width']}: {r['step_ms']:7.2f} ms/step, "
+        ctx = "+ctx" if r["drafter_context"] and r["width"] == 1 else ""
+        print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['width']}{ctx:4s}: {r['step_ms']:7.2f} ms/step, "
               f"{r['per_token_ms']:6.2f} ms per row", file=sys.stderr)
     print(f"[bench_slots] batch-1 generate, plain: {res['generate_plain_ms']:.2f} ms/token", file=sys.stderr)
     if a.json:

@@ -272,3 +272,34 @@ def test_a_plain_step_extends_the_drafters_context(pair, backend):
             assert d_len == t_len, (w, d_len, t_len)
     finally:
         be.free(1)
+
+
+def test_rows_that_never_draft_step_without_the_drafter(pair, backend):
+    """A request with ``speculative: false`` (draft cap 0 for its whole life) is stepped by the drafter-free plain
+    program: its drafter context stays at the prompt while its target cache grows (no drafter work is paid for
+    traffic that never drafts). A step that holds a drafting row as well (width 1, as adaptive verification
+    chooses) extends every row's context: the rows share one program. (This backend's one batch bucket is all 4
+    slots: a step runs every slot, and its drafter-free form needs every slot's cap to be 0.)"""
+    target, _, _ = pair
+    be = backend
+    prompts = _prompts(2, 20, target.config.vocab_size)
+    be.insert(1, SamplingRequest(tuple(int(x) for x in prompts[0]), 30, speculative=False))
+
+    def lengths(s):
+        return (int(np.asarray(be.state.cache.length)[s].reshape(-1)[0]), int(np.asarray(be.state.dcache.length)[s]))
+
+    try:
+        t0, d0 = lengths(1)
+        assert d0 == t0
+        h = be.launch([1])
+        assert h["W"] == 1 and not h["extend"] and not h["timed"]
+        be.collect(h)
+        be.step([1])
+        assert lengths(1) == (t0 + 2, d0)  # two decoded positions; the drafter's context untouched
+        be.insert(2, SamplingRequest(tuple(int(x) for x in prompts[1]), 30, spec_mode="fixed"))
+        t2, d2 = lengths(2)
+        be.step([1, 2], width=1)  # slot 2 drafts on other steps: its context follows its cache
+        assert lengths(2) == (t2 + 1, d2 + 1) and lengths(1)[1] == d0 + 1
+    finally:
+        be.free(1)
+        be.free(2)
