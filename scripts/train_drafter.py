@@ -5,6 +5,7 @@
     python scripts/train_drafter.py ... --resume                 # continue exactly from the last checkpoint
     python scripts/train_drafter.py ... --export checkpoints/default/drafter   # speculators format
     python scripts/train_drafter.py ... --init checkpoints/default/drafter     # continue from a shipped drafter
+    python scripts/train_drafter.py ... --init checkpoints/default/drafter --layers 2   # ... deepened to 2 layers
 
 The target is loaded as shipped (experts MXFP4) and frozen; each step runs its jitted prefill over a packed batch
 of the training corpus for the taps and final hidden states (online extraction), then one AdamW step of the
@@ -34,6 +35,7 @@ import jdspark
 import kimi
 from jdspark import data as jdata
 from jdspark import train as jt
+from jdspark.drafter import with_layers
 from jdspark.evaluate import served_acceptance
 
 
@@ -44,7 +46,7 @@ def build_drafter(target, a, tokenizer) -> jdspark.DSparkDrafter:
         raise ValueError("the target's tokenizer has no mask token (<mask>) for the drafter's block slots")
     L = cfg.num_hidden_layers
     taps = tuple(int(t) for t in a.taps.split(",")) if a.taps else (1, L // 2, L - 1)
-    dc = jdspark.DSparkConfig.for_target(cfg, block_size=a.block_size, num_hidden_layers=a.layers,
+    dc = jdspark.DSparkConfig.for_target(cfg, block_size=a.block_size, num_hidden_layers=a.layers or 1,
                                          markov_rank=a.markov_rank, mask_token_id=tokenizer.mask_id,
                                          aux_hidden_state_layer_ids=taps, num_attention_heads=a.heads,
                                          intermediate_size=a.intermediate or 2 * cfg.hidden_size)
@@ -58,7 +60,14 @@ def train(a) -> dict:
     tokenizer = kimi.load_tokenizer(a.target, vocab_size=target.config.vocab_size)
     if a.init:  # a new run from a saved drafter's weights (its architecture; a fresh optimizer and schedule)
         drafter = jdspark.load_drafter(a.init, target=target)
-        print(f"[train_drafter] initialised from {a.init}", file=sys.stderr)
+        L = drafter.config.num_hidden_layers
+        if a.layers is not None and a.layers != L:  # deepened, computing what it computed (drafter.with_layers)
+            if a.layers < L:
+                raise ValueError(f"--layers {a.layers}: the --init drafter has {L} layers; it can be deepened, "
+                                 f"not cut")
+            drafter = with_layers(drafter, a.layers)
+        print(f"[train_drafter] initialised from {a.init} ({drafter.config.num_hidden_layers} layers"
+              f"{f', grown from {L}' if drafter.config.num_hidden_layers != L else ''})", file=sys.stderr)
     else:
         drafter = build_drafter(target, a, tokenizer)
     t_graph, t_state = nnx.split(target)
@@ -147,7 +156,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--loss", default="kl_div")
     p.add_argument("--block-size", type=int, default=7)
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 1); with --init, more than its drafter's deepens it: the new layers "
+                        "start as copies of its last whose residual outputs are zero (it computes what it did)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--markov-rank", type=int, default=64)
@@ -161,8 +172,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init", default=None,
                    help="start from this drafter (speculators format, e.g. checkpoints/default/drafter): its weights "
-                        "and architecture (the architecture flags are not used), a fresh optimizer and schedule; "
-                        "with --resume a checkpoint in --out still wins")
+                        "and architecture (the architecture flags but --layers are not used), a fresh optimizer and "
+                        "schedule; with --resume a checkpoint in --out still wins")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step")
     p.add_argument("--served-prompts", type=int, default=8,
                    help="held-out prompts the trained drafter is served on at the end (0: skip)")
@@ -173,7 +184,7 @@ def parse_args(argv=None):
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     for k in ("steps", "batch", "seq_len", "anchors", "block_size", "layers", "served_tokens"):
-        if getattr(a, k) < 1:
+        if getattr(a, k) is not None and getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     if a.served_prompts < 0:
         p.error(f"--served-prompts: expected >= 0 (0 skips serving the drafter), got {a.served_prompts}")

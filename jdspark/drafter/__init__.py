@@ -11,6 +11,7 @@ from jdspark.drafter.model import (
                                   check_target,
                                   ring_from_linear,
                                   with_context_window,
+                                  with_layers,
                                   with_serving_layout,
 )
 from kimi.ops.norms import qwen3_rms_norm as rms_norm
@@ -18,5 +19,5 @@ from kimi.ops.norms import qwen3_rms_norm as rms_norm
 __all__ = [
     "DSparkDrafter", "DrafterCache", "DSparkConfig", "load_drafter", "save_drafter", "state_dict", "training_loss",
     "dspark_loss", "select_anchors", "resolve_loss", "rms_norm", "rope", "check_target", "verifier_targets",
-    "with_serving_layout", "with_context_window", "ring_from_linear",
+    "with_serving_layout", "with_context_window", "with_layers", "ring_from_linear",
 ]

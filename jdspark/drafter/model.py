@@ -378,6 +378,32 @@ def with_context_window(drafter: DSparkDrafter, window: Optional[int]) -> DSpark
     return out
 
 
+def with_layers(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
+    """The drafter deepened to ``num_layers`` decoder layers, computing exactly what it computed before: each new
+    layer i >= L is a copy of layer L - 1 whose two residual outputs (attention ``o_proj``, MLP ``down_proj``) are
+    zero, so x + attn(.) + mlp(.) = x until training moves them (function-preserving growth). Its other weights
+    start from a trained layer's rather than at random, so training has a useful direction from the first step. The
+    same DSparkDrafter class with ``num_hidden_layers = num_layers``; every other weight is shared with ``drafter``."""
+    L = drafter.config.num_hidden_layers
+    if num_layers < L:
+        raise ValueError(f"num_layers: expected >= the drafter's {L} layers, got {num_layers}")
+    lt = drafter.config.layer_types
+    cfg = drafter.config.replace(num_hidden_layers=int(num_layers),
+                                 layer_types=None if lt is None else tuple(lt) + (lt[-1],) * (num_layers - L))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0))))
+    out = nnx.merge(graphdef, state)  # abstract arrays; every one is replaced below
+    nnx.update(out, nnx.state(drafter))
+    last = nnx.state(drafter.layers[L - 1])
+    for i in range(L, num_layers):
+        nnx.update(out.layers[i], jax.tree.map(jnp.array, last))
+        for proj in (out.layers[i].self_attn.o_proj, out.layers[i].mlp.down_proj):
+            proj.kernel[...] = jnp.zeros_like(proj.kernel[...])
+            if getattr(proj, "bias", None) is not None:
+                proj.bias[...] = jnp.zeros_like(proj.bias[...])
+    out.set_partitioner(drafter.partition)
+    return out
+
+
 def ring_from_linear(cache: DrafterCache, window: int) -> DrafterCache:
     """The ring-buffer context of ``window`` slots (``with_context_window``'s layout) holding what a linear cache
     holds of the last ``window`` positions: slot s takes position p(s) = n - 1 - ((n - 1 - s) mod S), n = the

@@ -302,3 +302,41 @@ def test_training_loss_gradient_is_finite():
     g = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
     assert all(np.all(np.isfinite(np.asarray(x))) for x in g.values())
     assert float(jnp.abs(g["fc/kernel"]).max()) > 0 and float(jnp.abs(g["markov_head/markov_w1/embedding"]).max()) > 0
+
+
+@pytest.mark.parametrize("layer_types", [None, ("sliding_attention", "full_attention")])
+def test_deepened_drafter_drafts_the_same_and_trains(tmp_path, layer_types):
+    """``with_layers``: a drafter deepened from 2 to 3 layers appends the same context and gives the same block
+    logits (its new layer's residual outputs start at zero), its config says 3 layers (the last layer type
+    repeated), it saves and loads as a 3-layer drafter, and its loss has a non-zero gradient on the new layer's
+    output projection (training can move it). Cutting layers is an error."""
+    from jdspark.drafter import with_layers
+
+    cfg = DSparkConfig.tiny(layer_types=layer_types, sliding_window=3 if layer_types else None)
+    d = _drafter(cfg)
+    deep = with_layers(d, 3)
+    assert deep.config.num_hidden_layers == 3 and len(deep.layers) == 3
+    assert deep.config.resolved_layer_types == tuple(cfg.resolved_layer_types) + (cfg.resolved_layer_types[-1],)
+    embed, lm_head = _shared()
+    taps = jax.random.normal(jax.random.PRNGKey(3), (1, cfg.block_size + 1, NTAP * D))
+    outs = []
+    for m in (d, deep):
+        cache = m.append_context(m.init_cache(1, 16), taps, 4)
+        outs.append(m.draft_logits(cache, jnp.array([2]), None, embed, lm_head))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert not np.allclose(np.asarray(deep.layers[2].self_attn.q_proj.kernel[...]), 0.0)
+    save_drafter(deep, tmp_path / "deep")
+    assert load_drafter(tmp_path / "deep").config.num_hidden_layers == 3
+
+    T = 12
+    ids = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, V - 1)
+    taps_T = jax.random.normal(jax.random.PRNGKey(5), (1, T, NTAP * D))
+    vlh = jax.random.normal(jax.random.PRNGKey(6), (1, T, D))
+    _, grads = nnx.value_and_grad(training_loss, has_aux=True)(
+        deep, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)), embed,
+        lm_head)
+    g = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    assert float(jnp.abs(g["layers/2/self_attn/o_proj/kernel"]).max()) > 0
+    with pytest.raises(ValueError, match="num_layers"):
+        with_layers(deep, 2)
