@@ -17,7 +17,9 @@ run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the 
 a slot; the engine commits them in order. Where one row's step is a few ms, the host's round trip per launch
 (dispatch, read-back, commit) is a large share of it; a row whose request ends mid-launch runs its remaining steps
 for nothing (at most ``multi_step - 1``).
-Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block).
+Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block, or the
+drafter-free plain program when no row of the step drafts). Its insert still prefills the drafter's context (one
+insert program per prompt bucket; the drafter's share of a prefill is small), which it never reads.
 
 Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1); ``adaptive`` (``jdspark.adaptive``)
 picks W from the compiled widths (default 1, 2, 4, G + 1) by the confidence head's survival curves of each row's
