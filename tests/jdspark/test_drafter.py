@@ -321,8 +321,12 @@ def test_deepened_drafter_drafts_the_same_and_trains(tmp_path, layer_types):
     taps = jax.random.normal(jax.random.PRNGKey(3), (1, cfg.block_size + 1, NTAP * D))
     outs = []
     for m in (d, deep):
-        cache = m.append_context(m.init_cache(1, 16), taps, 4)
-        outs.append(m.draft_logits(cache, jnp.array([2]), None, embed, lm_head))
+        @nnx.jit
+        def block(m):
+            cache = m.append_context(m.init_cache(1, 16), taps, 4)
+            return m.draft_logits(cache, jnp.array([2]), None, embed, lm_head)
+
+        outs.append(block(m))
     for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert not np.allclose(np.asarray(deep.layers[2].self_attn.q_proj.kernel[...]), 0.0)
@@ -333,9 +337,13 @@ def test_deepened_drafter_drafts_the_same_and_trains(tmp_path, layer_types):
     ids = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, V - 1)
     taps_T = jax.random.normal(jax.random.PRNGKey(5), (1, T, NTAP * D))
     vlh = jax.random.normal(jax.random.PRNGKey(6), (1, T, D))
-    _, grads = nnx.value_and_grad(training_loss, has_aux=True)(
-        deep, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)), embed,
-        lm_head)
+    @nnx.jit
+    def grad_step(m):
+        return nnx.value_and_grad(training_loss, has_aux=True)(
+            m, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)),
+            embed, lm_head)
+
+    _, grads = grad_step(deep)
     g = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
     assert float(jnp.abs(g["layers/2/self_attn/o_proj/kernel"]).max()) > 0
     with pytest.raises(ValueError, match="num_layers"):
