@@ -127,8 +127,8 @@ def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, top
 
     def one(st, t, k, p, cap):
         sp = SamplingParams.rows(t, k, p, batch)
-        if drafter is None or width == 1:  # a plain step still extends the drafter's context (plain_step) of
-            return plain_step(target, st, sp, drafter if extend_context else None)  # rows that draft later
+        if drafter is None or width == 1:  # extending the context of rows that draft on later steps
+            return plain_step(target, st, sp, drafter if extend_context else None)
         return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence)
 
     def mapped(rows_state, _=None):
@@ -376,6 +376,14 @@ class SlotBackend:
                         self.tracker.stepped_plain(s)
         return res
 
+    def program_caps(self, width: int) -> tuple:
+        """A draft cap for each compiled program of ``width``: width 1 has two with a drafter, rows that never draft
+        (cap 0: no drafter work) and rows that draft on other steps (cap G: the drafter's context extended);
+        wider ones one (cap G)."""
+        if width > 1:
+            return (self.G,)
+        return (0, self.G) if self.drafter is not None else (0,)
+
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0)
 
@@ -391,9 +399,7 @@ class SlotBackend:
         timings = CostTable()
         for b in self.batch_buckets:
             for w in self.widths:
-                # width 1 has two programs: rows that never draft (no drafter) and rows that draft on other steps
-                # (the drafter's context extended; the one timed: adaptive schedules only drafting rows)
-                for cap in ((0, self.G) if w == 1 and self.drafter is not None else (self.G if w > 1 else 0,)):
+                for cap in self.program_caps(w):  # the last: the program adaptive schedules (timed below)
                     self.params[:b, 3] = cap
                     self.step(list(range(b)), width=w)  # compile
                     if self.steps_for(b) > 1:

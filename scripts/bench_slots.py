@@ -66,7 +66,7 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
 
         for b in batches:
             for w in widths:
-                for cap in ((0, be.G) if w == 1 and be.G else (be.G if w > 1 else 0,)):
+                for cap in be.program_caps(w):
                     ms = step_ms(be, refill, b, w, iters, repeats, cap)
                     rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0, "step_ms": ms,
                                  "per_token_ms": ms / b})
