@@ -256,6 +256,11 @@ def test_adaptive_drafts_again_after_a_run_of_plain_steps(backend):
         (be.costs, be.timings, be.modes, be.params, be.tracker.curve_SG, be.tracker.plain_run_S) = saved
 
 
+def _lengths(be, slot: int) -> tuple:
+    """(target cache length, drafter context length) of one slot."""
+    return int(np.asarray(be.state.cache.length)[slot].reshape(-1)[0]), int(np.asarray(be.state.dcache.length)[slot])
+
+
 def test_a_plain_step_extends_the_drafters_context(pair, backend):
     """A slot stepped plainly (width 1, as adaptive verification chooses) still appends the decoded position to
     its drafter context, so the next drafted block reads every committed position: the drafter's context length
@@ -267,8 +272,7 @@ def test_a_plain_step_extends_the_drafters_context(pair, backend):
     try:
         for w in (1, 1, be.G + 1, 1, 4):
             be.step([1], width=w)
-            t_len = int(np.asarray(be.state.cache.length)[1].reshape(-1)[0])
-            d_len = int(np.asarray(be.state.dcache.length)[1])
+            t_len, d_len = _lengths(be, 1)
             assert d_len == t_len, (w, d_len, t_len)
     finally:
         be.free(1)
@@ -285,21 +289,18 @@ def test_rows_that_never_draft_step_without_the_drafter(pair, backend):
     prompts = _prompts(2, 20, target.config.vocab_size)
     be.insert(1, SamplingRequest(tuple(int(x) for x in prompts[0]), 30, speculative=False))
 
-    def lengths(s):
-        return (int(np.asarray(be.state.cache.length)[s].reshape(-1)[0]), int(np.asarray(be.state.dcache.length)[s]))
-
     try:
-        t0, d0 = lengths(1)
+        t0, d0 = _lengths(be, 1)
         assert d0 == t0
         h = be.launch([1])
         assert h["W"] == 1 and not h["extend"] and not h["timed"]
         be.collect(h)
         be.step([1])
-        assert lengths(1) == (t0 + 2, d0)  # two decoded positions; the drafter's context untouched
+        assert _lengths(be, 1) == (t0 + 2, d0)  # two decoded positions; the drafter's context untouched
         be.insert(2, SamplingRequest(tuple(int(x) for x in prompts[1]), 30, spec_mode="fixed"))
-        t2, d2 = lengths(2)
+        t2, d2 = _lengths(be, 2)
         be.step([1, 2], width=1)  # slot 2 drafts on other steps: its context follows its cache
-        assert lengths(2) == (t2 + 1, d2 + 1) and lengths(1)[1] == d0 + 1
+        assert _lengths(be, 2) == (t2 + 1, d2 + 1) and _lengths(be, 1)[1] == d0 + 1
     finally:
         be.free(1)
         be.free(2)
