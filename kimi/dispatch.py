@@ -16,6 +16,8 @@ path has a test against its reference.
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
   prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
   MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE
+  MLA decode      mla_absorbed_key_tile  on CPU, key tiles of MLA_ABSORBED_KEY_TILE once the [H*T, S] scores outgrow
+                                       MLA_ABSORBED_TILED_MIN_SCORES; else one whole-cache pass
 """
 
 from __future__ import annotations
@@ -182,3 +184,21 @@ MLA_KEY_TILE = 2048
 def mla_key_tile(num_keys: int) -> Optional[int]:
     """The key tile a prefill over a cache of ``num_keys`` positions uses (None: whole-cache scores)."""
     return MLA_KEY_TILE if num_keys > MLA_TILED_MIN_KEYS else None
+
+
+# --------------------------------------------------------------------------------------------------- MLA decode
+# Decode and verify (the absorbed form) score H * T queries against every cached key. Once those [H * T, S] fp32
+# scores outgrow the CPU's cache, XLA:CPU's passes over them (mask, max, exp-sum, the weighted sum of latents) each
+# go to memory, and key tiles with an online softmax are faster (an 8-token verify over 128K keys: 48.7 -> 12.6 ms
+# per layer, a decode 6.5 -> 5.7; below ~32K keys one pass is as fast or faster: docs/performance.md). On
+# accelerators one fused pass (the tiled loop is not measured there).
+MLA_ABSORBED_TILED_MIN_SCORES = 1 << 21
+MLA_ABSORBED_KEY_TILE = 8192
+
+
+def mla_absorbed_key_tile(num_queries: int, num_heads: int, num_keys: int) -> Optional[int]:
+    """The key tile a decode or verify of ``num_queries`` tokens over a cache of ``num_keys`` positions uses (None:
+    whole-cache scores)."""
+    if jax.default_backend() != "cpu" or num_keys <= MLA_ABSORBED_KEY_TILE:
+        return None
+    return MLA_ABSORBED_KEY_TILE if num_queries * num_heads * num_keys > MLA_ABSORBED_TILED_MIN_SCORES else None

@@ -343,10 +343,11 @@ class GatedMLA(nnx.Module):
         kpe_NBSR = write_stacked(kpe_NBSR, slot, kpe_new, length_B)
         ckv_BSL, kpe_BSR = ckv_NBSL[slot], kpe_NBSR[slot]
         args = (q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
-        tile = None if absorbed else dispatch.mla_key_tile(ckv_BSL.shape[1])
         if absorbed:
-            o_BTHV = mla_ops.mla_attend_absorbed(*args)
-        elif tile:
+            tile = dispatch.mla_absorbed_key_tile(T, H, ckv_BSL.shape[1])
+            o_BTHV = (mla_ops.mla_attend_absorbed_tiled(*args, tile=tile) if tile
+                      else mla_ops.mla_attend_absorbed(*args))
+        elif tile := dispatch.mla_key_tile(ckv_BSL.shape[1]):
             o_BTHV = mla_ops.mla_attend_tiled(*args, tile=tile)
         else:
             o_BTHV = mla_ops.mla_attend_unabsorbed(*args)

@@ -14,6 +14,10 @@ shared by all heads). With W_kvb reshaped to [H, N + V, L] (N = nope dim, V = va
                l = l * e^(m - m') + sum_s e^(logit - m')), o = acc / l. Only the tiles below max(kv_len) run, so a
                chunk of a long prefill holds [T, K] scores per head, not [T, S], and skips the cache's empty tail.
 
+  absorbed, tiled:  the absorbed form over key tiles with the same online softmax (decode and verify over a long
+               cache): the [H * T, tile] scores of a tile stay in cache where the whole [H * T, S] scores would be
+               written and read back from memory by each pass over them (mask, max, exp-sum, weighted sum).
+
 All are the same function of the inputs; scale = (N + R)^-1/2. Masking: key s is visible to query t iff
 s <= q_pos[t] and s < kv_len; the mask is applied to the logits before the fp32 softmax (before ``exp`` in the
 tiled form).
@@ -124,3 +128,49 @@ def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_B
     _, l_BHT, acc_BTHV = jax.lax.fori_loop(0, n_tiles, body, init)
     l_BTH = jnp.transpose(l_BHT, (0, 2, 1))
     return acc_BTHV / jnp.where(l_BTH > 0, l_BTH, 1.0)[..., None]
+
+
+def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int,
+                              tile: int):
+    """The absorbed form, key tile by key tile (online softmax; see the module docstring). Returns o_BTHV (fp32).
+
+    Per tile j (keys [start, start + tile), start = min(j * tile, S - tile); keys below j * tile belong to an
+    earlier tile and are masked here): s = q_lat . c_kv + q_pe . k_pe (scale folded into the queries), then
+    m' = max(m, max_k s), acc = acc e^(m - m') + sum_k e^(s - m') c_kv[k], l = l e^(m - m') + sum_k e^(s - m');
+    o_lat = acc / l and o = W_uv o_lat. ceil(max(kv_len) / tile) tiles run (the cache's empty tail is skipped)."""
+    B, T, H, N = q_nope_BTHN.shape
+    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
+    if tile >= S:
+        return mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
+    w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
+    scale = np.float32((N + R) ** -0.5)
+    q_lat_BQL = jnp.einsum("bthn,hnl->bhtl", q_nope_BTHN.astype(f32) * scale, w_uk_HNL).reshape(B, H * T, -1)
+    q_pe_BQR = jnp.transpose(q_pe_BTHR.astype(f32) * scale, (0, 2, 1, 3)).reshape(B, H * T, R)
+    keys = (((2,), (2,)), ((0,), (0,)))  # [B, Q, X] x [B, K, X] -> [B, Q, K]: the tile's keys where they lie
+
+    def body(j, carry):
+        m_BQ, l_BQ, acc_BQL = carry
+        start = jnp.minimum(j * tile, S - tile)
+        ckv_BKL = jax.lax.dynamic_slice_in_dim(ckv_BSL, start, tile, axis=1).astype(f32)
+        s_BQK = jax.lax.dot_general(q_lat_BQL, ckv_BKL, keys)
+        if R:
+            kpe_BKR = jax.lax.dynamic_slice_in_dim(kpe_BSR, start, tile, axis=1).astype(f32)
+            s_BQK = s_BQK + jax.lax.dot_general(q_pe_BQR, kpe_BKR, keys)
+        s_K = start + jnp.arange(tile, dtype=jnp.int32)
+        vis_BTK = ((s_K[None, None] <= q_pos_BT[:, :, None]) & (s_K[None, None] < kv_len_B[:, None, None])
+                   & (s_K[None, None] >= j * tile))
+        vis_BQK = jnp.broadcast_to(vis_BTK[:, None], (B, H, T, tile)).reshape(B, H * T, tile)
+        s_BQK = jnp.where(vis_BQK, s_BQK, _NEG)
+        m_new = jnp.maximum(m_BQ, s_BQK.max(-1))
+        p_BQK = jnp.where(vis_BQK, jnp.exp(s_BQK - m_new[..., None]), 0.0)
+        alpha_BQ = jnp.exp(m_BQ - m_new)
+        l_BQ = l_BQ * alpha_BQ + p_BQK.sum(-1)
+        acc_BQL = acc_BQL * alpha_BQ[..., None] + jax.lax.dot_general(p_BQK, ckv_BKL, (((2,), (1,)), ((0,), (0,))))
+        return m_new, l_BQ, acc_BQL
+
+    n_tiles = (jnp.max(kv_len_B) + tile - 1) // tile
+    Q, L = H * T, ckv_BSL.shape[2]
+    init = (jnp.full((B, Q), _NEG, f32), jnp.zeros((B, Q), f32), jnp.zeros((B, Q, L), f32))
+    _, l_BQ, acc_BQL = jax.lax.fori_loop(0, n_tiles, body, init)
+    o_lat_BHTL = (acc_BQL / jnp.where(l_BQ > 0, l_BQ, 1.0)[..., None]).reshape(B, H, T, L)
+    return jnp.einsum("bhtl,hvl->bthv", o_lat_BHTL, w_uv_HVL)

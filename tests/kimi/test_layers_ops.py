@@ -57,6 +57,51 @@ def test_mla_tiled_equals_unabsorbed(tile):
     np.testing.assert_allclose(t, u, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("tile", [4, 5, 11])
+def test_mla_absorbed_tiled_equals_absorbed(tile):
+    """Decode and verify over a long cache (the absorbed form by key tiles): tiles that do and do not divide S,
+    rows whose visible keys end in different tiles, a row with fewer valid keys than its queries' positions."""
+    B, T, S, H, N, R, L, V = 3, 4, 23, 2, 8, 4, 16, 8
+    ks = jax.random.split(jax.random.key(2), 5)
+    q_nope = jax.random.normal(ks[0], (B, T, H, N)) * 2
+    q_pe = jax.random.normal(ks[1], (B, T, H, R))
+    ckv = jax.random.normal(ks[2], (B, S, L))
+    kpe = jax.random.normal(ks[3], (B, S, R))
+    w_kvb = jax.random.normal(ks[4], (L, H * (N + V))) * 0.3
+    length = jnp.array([0, 6, 19], jnp.int32)
+    q_pos = length[:, None] + jnp.arange(T)[None]
+    kv_len = length + jnp.array([T, T, 2], jnp.int32)
+    a = mla.mla_attend_absorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, V)
+    t = jax.jit(mla.mla_attend_absorbed_tiled, static_argnames=("v_dim", "tile"))(
+        q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, v_dim=V, tile=tile)
+    np.testing.assert_allclose(t, a, atol=1e-5, rtol=0)
+
+
+def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
+    """The model's decode and verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by
+    tiles of 16) give the whole-cache logits; the dispatch says which path a shape takes."""
+    cfg = kimi.KimiConfig.tiny()
+    model = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    toks = jax.random.randint(jax.random.key(3), (1, 30), 0, cfg.vocab_size)
+    pre = model.forward(toks[:, :22], model.init_cache(1, 40), mode="prefill")
+
+    def run():
+        f = jax.jit(lambda c, t1, t8: (model.forward(t1, c, mode="decode").logits,
+                                       model.forward(t8, c, mode="verify").logits))
+        args = (pre.cache, toks[:, 22:23], toks[:, 22:30])
+        return f(*args), f.lower(*args).as_text().count("stablehlo.while")
+
+    whole, loops_whole = run()
+    monkeypatch.setattr(dispatch, "MLA_ABSORBED_TILED_MIN_SCORES", 0)
+    monkeypatch.setattr(dispatch, "MLA_ABSORBED_KEY_TILE", 16)
+    assert dispatch.mla_absorbed_key_tile(8, cfg.num_attention_heads, 40) == 16
+    assert dispatch.mla_absorbed_key_tile(8, cfg.num_attention_heads, 16) is None  # one tile: the whole cache
+    tiled, loops_tiled = run()
+    assert loops_tiled == loops_whole + 2 * cfg.num_mla_layers  # a tile loop per MLA layer in decode and verify
+    for w, t in zip(whole, tiled):
+        np.testing.assert_allclose(t, w, atol=1e-4, rtol=0)
+
+
 def test_mla_layer_absorbed_flag():
     cfg = kimi.KimiConfig.tiny()
     layer = layers.GatedMLA(cfg, rngs=nnx.Rngs(0))
