@@ -8,8 +8,9 @@ has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``GET /hea
 program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
 decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
 ``accept_len``). Bad input gets ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an
-unknown model, 429 when the waiting queue is full, 503 before the engine is ready); a client that disconnects
-frees its slot.
+unknown model, 429 when the waiting queue is full, 503 before the engine is ready); a request field this server
+does not implement (``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400
+naming it unless it has the value that asks for nothing. A client that disconnects frees its slot.
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
     return v
 
 
+# OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
+# them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
+UNSUPPORTED_FIELDS = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
+    "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
+}
+
+
+def _reject_unsupported(body: dict) -> None:
+    for name, ok in UNSUPPORTED_FIELDS.items():
+        v = body.get(name)
+        if v is None or any(v == o and type(v) is type(o) for o in ok):
+            continue
+        shown = ", ".join(json.dumps(o) for o in ok)
+        raise ApiError(400, f"'{name}' = {json.dumps(v)[:60]} is not supported by this server (it accepts null or "
+                            f"{shown}, which ask for nothing)", name, code="unsupported")
+
+
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None) -> tuple:
@@ -81,6 +102,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     if model is not None and model != model_name:
         raise ApiError(404, f"The model '{model}' does not exist (this server serves '{model_name}')", "model",
                        code="model_not_found")
+    _reject_unsupported(body)
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:

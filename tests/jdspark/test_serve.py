@@ -58,8 +58,11 @@ def test_health_models_and_a_completion(srv):
 
 
 def test_token_id_prompt_stop_string_and_model_name(srv):
+    # fields this server does not implement, at the values that ask for nothing (OpenAI clients send them)
+    defaults = {"n": 1, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
+                "logit_bias": {}, "user": "u1"}
     r = httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": [256, 97], "max_tokens": 20,
-                                                      "stop": ["fgh"]}).json()
+                                                      "stop": ["fgh"], **defaults}).json()
     assert r["choices"][0]["text"] == "bcde" and r["choices"][0]["finish_reason"] == "stop"
 
 
@@ -113,6 +116,10 @@ BAD = [
     ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean", "stream", 400),
     ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),
     ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
+    ({"prompt": "x", "n": 2}, "'n' = 2 is not supported", "n", 400),
+    ({"prompt": "x", "logprobs": 0}, "'logprobs' = 0 is not supported", "logprobs", 400),
+    ({"prompt": "x", "presence_penalty": 0.5}, "'presence_penalty' = 0.5 is not supported", "presence_penalty", 400),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "'logit_bias'", "logit_bias", 400),
 ]
 
 
