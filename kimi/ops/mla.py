@@ -14,11 +14,9 @@ shared by all heads). With W_kvb reshaped to [H, N + V, L] (N = nope dim, V = va
                l = l * e^(m - m') + sum_s e^(logit - m')), o = acc / l. Only the tiles below max(kv_len) run, so a
                chunk of a long prefill holds [T, K] scores per head, not [T, S], and skips the cache's empty tail.
 
-  absorbed, tiled:  the absorbed form over key tiles with the same online softmax (decode and verify on CPU,
-               ``kimi.dispatch.mla_absorbed_key_tile``): the [H * T, tile] scores of a tile stay in cache where the
-               whole [H * T, S] scores would be written and read back from memory by each pass over them (mask,
-               max, exp-sum, weighted sum), and the loop reads the layer's cache in place right after the step's
-               write into it (read directly, XLA split the write into two fusions on two copies of the cache).
+  absorbed, tiled:  the absorbed form over key tiles with the same online softmax (decode and verify over a long
+               cache): the [H * T, tile] scores of a tile stay in cache where the whole [H * T, S] scores would be
+               written and read back from memory by each pass over them (mask, max, exp-sum, weighted sum).
 
 All are the same function of the inputs; scale = (N + R)^-1/2. Masking: key s is visible to query t iff
 s <= q_pos[t] and s < kv_len; the mask is applied to the logits before the fp32 softmax (before ``exp`` in the
@@ -142,7 +140,8 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
     o_lat = acc / l and o = W_uv o_lat. ceil(max(kv_len) / tile) tiles run (the cache's empty tail is skipped)."""
     B, T, H, N = q_nope_BTHN.shape
     R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
-    tile = min(tile, S)  # one tile: the whole cache, still read inside the loop
+    if tile >= S:
+        return mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
     w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
     scale = np.float32((N + R) ** -0.5)
     q_lat_BQL = jnp.einsum("bthn,hnl->bhtl", q_nope_BTHN.astype(f32) * scale, w_uk_HNL).reshape(B, H * T, -1)

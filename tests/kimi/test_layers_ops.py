@@ -78,8 +78,8 @@ def test_mla_absorbed_tiled_equals_absorbed(tile):
 
 
 def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
-    """The model's decode and verify by key tiles (the CPU's path; the tile lowered so a tiny cache of 40
-    positions goes in 3 tiles of 14) give the logits of the whole-cache form (an accelerator's)."""
+    """The model's decode and verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by
+    tiles of 16) give the whole-cache logits; the dispatch says which path a shape takes."""
     cfg = kimi.KimiConfig.tiny()
     model = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(3), (1, 30), 0, cfg.vocab_size)
@@ -91,11 +91,12 @@ def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
         args = (pre.cache, toks[:, 22:23], toks[:, 22:30])
         return f(*args), f.lower(*args).as_text().count("stablehlo.while")
 
-    monkeypatch.setattr(dispatch, "MLA_ABSORBED_KEY_TILE", 16)
-    assert dispatch.mla_absorbed_key_tile(40) == 14 and dispatch.mla_absorbed_key_tile(16) == 16
-    tiled, loops_tiled = run()
-    monkeypatch.setattr(dispatch, "mla_absorbed_key_tile", lambda num_keys: None)
     whole, loops_whole = run()
+    monkeypatch.setattr(dispatch, "MLA_ABSORBED_TILED_MIN_SCORES", 0)
+    monkeypatch.setattr(dispatch, "MLA_ABSORBED_KEY_TILE", 16)
+    assert dispatch.mla_absorbed_key_tile(8, cfg.num_attention_heads, 40) == 16
+    assert dispatch.mla_absorbed_key_tile(8, cfg.num_attention_heads, 16) is None  # one tile: the whole cache
+    tiled, loops_tiled = run()
     assert loops_tiled == loops_whole + 2 * cfg.num_mla_layers  # a tile loop per MLA layer in decode and verify
     for w, t in zip(whole, tiled):
         np.testing.assert_allclose(t, w, atol=1e-4, rtol=0)
