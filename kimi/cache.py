@@ -1,17 +1,13 @@
 """The decode cache: a registered dataclass pytree, donated to every jitted step.
 
 Per KDA layer: the fp32 recurrent state [B, H, K, V] and the conv state (the last kernel-1 pre-conv q/k/v
-projections, [B, W, 3P]), stacked over the KDA layers (small). Per MLA layer: the latent cache, c_kv [B, S, L] and
-k_pe [B, S, R], one array per layer: a layer's attention reads its own array where it lies (a layer sliced out of
-a stacked [n_mla, B, S, L] array was a copy of that layer's whole cache on every step, as the matmul needs its
-operand contiguous: ~10 ms of a 31 ms decode step at 128K positions). ``length`` [B] counts the valid positions of
-each row; entries at or beyond it are ignored (masked), so rolling back is setting it.
+projections, [B, W, 3P]). Per MLA layer: the latent cache, c_kv [B, S, L] and k_pe [B, S, R]. ``length`` [B] counts
+the valid positions of each row; entries at or beyond it are ignored (masked), so rolling back is setting it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,14 +21,13 @@ from kimi.ops.kda import KDABlockTrace, kda_block_state
 class KimiCache:
     kda_state: jax.Array  # [n_kda, B, H, K, V] fp32
     conv_state: jax.Array  # [n_kda, B, W, 3P]
-    mla_ckv: tuple  # n_mla arrays [B, S, L]
-    mla_kpe: tuple  # n_mla arrays [B, S, R]
+    mla_ckv: jax.Array  # [n_mla, B, S, L]
+    mla_kpe: jax.Array  # [n_mla, B, S, R]
     length: jax.Array  # [B] int32
 
     @property
-    def max_len(self) -> Optional[int]:
-        """Positions the latent caches hold (None without MLA layers: KDA's state has no length limit)."""
-        return self.mla_ckv[0].shape[-2] if self.mla_ckv else None
+    def max_len(self) -> int:
+        return self.mla_ckv.shape[2]
 
     @property
     def batch_size(self) -> int:
@@ -49,8 +44,8 @@ class KimiCache:
         return cls(
             kda_state=jnp.zeros((nk, B, H, K, K), jnp.float32),
             conv_state=jnp.zeros((nk, B, W, 3 * cfg.kda_proj_dim), cfg.dtype),
-            mla_ckv=tuple(jnp.zeros((B, max_len, cfg.kv_lora_rank), cfg.dtype) for _ in range(nm)),
-            mla_kpe=tuple(jnp.zeros((B, max_len, cfg.qk_rope_head_dim), cfg.dtype) for _ in range(nm)),
+            mla_ckv=jnp.zeros((nm, B, max_len, cfg.kv_lora_rank), cfg.dtype),
+            mla_kpe=jnp.zeros((nm, B, max_len, cfg.qk_rope_head_dim), cfg.dtype),
             length=jnp.zeros((B,), jnp.int32),
         )
 
@@ -59,13 +54,10 @@ class KimiCache:
         one-pass prefill runs on a cache of the prompt's own length and is padded after: its attention then
         scores the prompt's keys, not the whole cache's (a 128-token prompt into 1024-position slots: 8x)."""
         S = self.max_len
-        if S is None:
-            return self
         if max_len < S:
             raise ValueError(f"max_len: expected >= the cache's {S} positions, got {max_len}")
-        pad = ((0, 0), (0, max_len - S), (0, 0))
-        return dataclasses.replace(self, mla_ckv=tuple(jnp.pad(c, pad) for c in self.mla_ckv),
-                                   mla_kpe=tuple(jnp.pad(k, pad) for k in self.mla_kpe))
+        pad = ((0, 0), (0, 0), (0, max_len - S), (0, 0))
+        return dataclasses.replace(self, mla_ckv=jnp.pad(self.mla_ckv, pad), mla_kpe=jnp.pad(self.mla_kpe, pad))
 
     @classmethod
     def abstract(cls, cfg: KimiConfig, batch_size: int, max_len: int) -> "KimiCache":

@@ -280,17 +280,17 @@ class KimiDeltaAttention(nnx.Module):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Gated NoPE MLA
-def write_rows(cache_BSX, new_BTX, start_B):
-    """cache[b, start_b : start_b + T] = new[b] for every row b, on the cache array itself so XLA can update it in
-    place. One row (decode, verify, a serving slot under vmap): a ``dynamic_update_slice``; several (a batched
-    prefill, training): one scatter (a DUS per row would unroll B of them into the program)."""
-    new = new_BTX.astype(cache_BSX.dtype)
+def write_stacked(cache_NBSX, slot: int, new_BTX, start_B):
+    """cache[slot, b, start_b : start_b + T] = new[b] for every row b, on the stacked array itself so XLA can
+    update it in place. One row (decode, verify, a serving slot under vmap): a ``dynamic_update_slice``; several
+    (a batched prefill, training): one scatter (a DUS per row would unroll B of them into the program)."""
+    new = new_BTX.astype(cache_NBSX.dtype)
     B, T = new.shape[:2]
     if B == 1:
-        return jax.lax.dynamic_update_slice(cache_BSX, new, (0, start_B[0], 0))
+        return jax.lax.dynamic_update_slice(cache_NBSX, new[None], (slot, 0, start_B[0], 0))
     rows_B1 = jnp.arange(B)[:, None]
     cols_BT = start_B[:, None] + jnp.arange(T, dtype=start_B.dtype)[None]
-    return cache_BSX.at[rows_B1, cols_BT].set(new)
+    return cache_NBSX.at[slot, rows_B1, cols_BT].set(new)
 
 
 class GatedMLA(nnx.Module):
@@ -317,10 +317,13 @@ class GatedMLA(nnx.Module):
         q = ("q_proj",) if self.cfg.q_lora_rank is None else ("q_a_proj",)
         return q + ("kv_a_proj_with_mqa",) + (("g_proj",) if self.cfg.mla_use_output_gate else ())
 
-    def __call__(self, x_BTD, ckv_BSL, kpe_BSR, length_B, absorbed: bool):
-        """Writes this chunk's latents at [length, length + T) of this layer's latent caches and attends over them.
-        Returns (y_BTD, ckv_BSL, kpe_BSR). The write goes into the arrays themselves (in place when the caller
-        donates them), before the attention reads them where they lie (``kimi.cache``: no copy of the cache)."""
+    def __call__(self, x_BTD, ckv_NBSL, kpe_NBSR, slot: int, length_B, absorbed: bool):
+        """Writes this chunk's latents at [length, length + T) of entry ``slot`` (static) of the stacked latent
+        caches [n_mla, B, S, .] and attends over that entry. Returns (y_BTD, ckv_NBSL, kpe_NBSR).
+
+        The write goes into the stacked arrays themselves, before the attention reads them: slicing a layer's
+        cache out, writing the slice and stacking the layers again made XLA copy every layer's whole cache on
+        every decode step (at 32K positions most of a step's time)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, N, R, L = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -336,8 +339,9 @@ class GatedMLA(nnx.Module):
             q_pe = rope_neox(q_pe.astype(jnp.float32), pos_BT, cfg.rope_theta).astype(q_pe.dtype)
             kpe_new = rope_neox(kpe_new.astype(jnp.float32)[:, :, None], pos_BT, cfg.rope_theta)[:, :, 0].astype(
                 kpe_new.dtype)
-        ckv_BSL = write_rows(ckv_BSL, ckv_new, length_B)
-        kpe_BSR = write_rows(kpe_BSR, kpe_new, length_B)
+        ckv_NBSL = write_stacked(ckv_NBSL, slot, ckv_new, length_B)
+        kpe_NBSR = write_stacked(kpe_NBSR, slot, kpe_new, length_B)
+        ckv_BSL, kpe_BSR = ckv_NBSL[slot], kpe_NBSR[slot]
         args = (q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
         if absorbed:
             tile = dispatch.mla_absorbed_key_tile(T, H, ckv_BSL.shape[1])
@@ -350,7 +354,7 @@ class GatedMLA(nnx.Module):
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
             o = o * jax.nn.sigmoid(gate_in[0].astype(jnp.float32))
-        return self.o_proj(o.astype(x_BTD.dtype)), ckv_BSL, kpe_BSR
+        return self.o_proj(o.astype(x_BTD.dtype)), ckv_NBSL, kpe_NBSR
 
 
 # ---------------------------------------------------------------------------------------------------------------

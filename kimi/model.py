@@ -141,7 +141,7 @@ class KimiForCausalLM(nnx.Module):
         use_res = cfg.attn_res_block_size is not None
         taps = {}
         kda_state, conv_state = cache.kda_state, cache.conv_state
-        ckv, kpe = list(cache.mla_ckv), list(cache.mla_kpe)
+        ckv, kpe = cache.mla_ckv, cache.mla_kpe
         new_kda, new_conv, all_states, all_convs = [], [], [], []
         if use_res:
             blocks_BTND = jnp.zeros((B, T, cfg.num_attn_res_blocks, cfg.hidden_size), x_BTD.dtype)
@@ -174,8 +174,7 @@ class KimiForCausalLM(nnx.Module):
                     all_convs.append(out.convs_BTWC)
                 i_kda += 1
             else:
-                a, ckv[i_mla], kpe[i_mla] = layer.self_attn(hn, ckv[i_mla], kpe[i_mla], cache.length,
-                                                            absorbed=mode != "prefill")
+                a, ckv, kpe = layer.self_attn(hn, ckv, kpe, i_mla, cache.length, absorbed=mode != "prefill")
                 i_mla += 1
             if use_res:
                 prefix = a if prefix is None else prefix + a
@@ -200,7 +199,7 @@ class KimiForCausalLM(nnx.Module):
 
         new_cache = KimiCache(
             kda_state=stack(new_kda, kda_state), conv_state=stack(new_conv, conv_state),
-            mla_ckv=tuple(ckv), mla_kpe=tuple(kpe),
+            mla_ckv=ckv, mla_kpe=kpe,
             length=cache.length + (T if valid_len_B is None else valid_len_B.astype(jnp.int32)))
         new_cache = self.partition.constrain_cache(new_cache)  # a sharded cache keeps its layout
         out = ModelOut(logits=logits, cache=new_cache, last_hidden=h,
@@ -223,7 +222,7 @@ class KimiForCausalLM(nnx.Module):
             raise ValueError(f"{name}: batch {tok.shape[0]} does not match the cache's batch {cache.batch_size}")
         T = 1 if tok.ndim == 1 else tok.shape[1]
         need = int(np.max(np.asarray(cache.length))) + T
-        if cache.max_len is not None and need > cache.max_len:
+        if need > cache.max_len:
             raise ValueError(f"{name}: {need} positions needed but the cache holds max_len={cache.max_len}; "
                              f"allocate a larger cache with init_cache(max_len=...)")
 

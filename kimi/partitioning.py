@@ -110,13 +110,13 @@ for _p in ("patch_embed.proj.kernel", "patch_embed.proj.bias", "patch_embed.pos_
 # norm gains and AttnRes pseudo-queries: [dim] or [D, 1], replicated
 REPLICATED = re.compile(r"(^|\.)(\w*norm\.(weight|scale)|\w*_res_proj\.kernel)$")
 
-# KimiCache fields -> logical axes per dimension (of each array, for the fields that hold one per MLA layer)
+# KimiCache fields -> logical axes per dimension
 CACHE_AXES: dict[str, tuple] = {
     "kda_state": (None, "batch", "kda_heads", None, None),  # [n_kda, B, H, K, V] fp32
     # [n_kda, B, W, 3P]: q|k|v side by side, so a contiguous split of 3P would not match the heads
     "conv_state": (None, "batch", None, None),
-    "mla_ckv": ("batch", "cache_seq", "mla_latent"),  # per MLA layer [B, S, L]
-    "mla_kpe": ("batch", "cache_seq", None),  # per MLA layer [B, S, R]
+    "mla_ckv": (None, "batch", "cache_seq", "mla_latent"),  # [n_mla, B, S, L]
+    "mla_kpe": (None, "batch", "cache_seq", None),  # [n_mla, B, S, R]
     "length": ("batch",),
 }
 

@@ -48,7 +48,7 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
     n = chunked_positions(T, chunk) // chunk
     if not isinstance(cache.length, jax.core.Tracer):
         need = int(np.max(np.asarray(cache.length))) + n * chunk
-        if cache.max_len is not None and need > cache.max_len:
+        if need > cache.max_len:
             raise ValueError(f"prefill_chunked: {T} tokens in chunks of {chunk} write {n * chunk} positions; the "
                              f"cache holds max_len={cache.max_len} ({need} needed)")
     valid_B = jnp.full((B,), T, jnp.int32) if valid_len_B is None else jnp.asarray(valid_len_B, jnp.int32)

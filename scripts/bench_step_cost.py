@@ -67,12 +67,10 @@ def _random_like(x, key, scale: float = 1.0):
 def target_cache(target, context: int, room: int, seed: int = 0):
     """A target cache of ``context`` valid positions (random latents, random KDA states) with ``room`` more."""
     cache = target.init_cache(1, context + room)
-    k = jax.random.split(jax.random.key(seed), 1 + 2 * len(cache.mla_ckv))
-    return dataclasses.replace(
-        cache, kda_state=_random_like(cache.kda_state, k[0], 0.1),
-        mla_ckv=tuple(_random_like(c, kk) for c, kk in zip(cache.mla_ckv, k[1::2])),
-        mla_kpe=tuple(_random_like(c, kk) for c, kk in zip(cache.mla_kpe, k[2::2])),
-        length=jnp.full_like(cache.length, context))
+    k = jax.random.split(jax.random.key(seed), 3)
+    return cache.__class__(kda_state=_random_like(cache.kda_state, k[0], 0.1), conv_state=cache.conv_state,
+                           mla_ckv=_random_like(cache.mla_ckv, k[1]), mla_kpe=_random_like(cache.mla_kpe, k[2]),
+                           length=jnp.full_like(cache.length, context))
 
 
 def drafter_cache(drafter, context: int, room: int, seed: int = 1):

@@ -138,13 +138,8 @@ def cache_memory(cache, mesh, rules) -> dict:
     from sharding.rules import cache_specs
 
     specs = cache_specs(cache, mesh, rules)
-
-    def field_bytes(x, spec) -> int:  # a field holding one array per layer: their sum
-        if isinstance(x, tuple):
-            return sum(_shard_bytes(a.shape, a.dtype, mesh, sp) for a, sp in zip(x, spec))
-        return _shard_bytes(x.shape, x.dtype, mesh, spec)
-
-    return {f.name: field_bytes(getattr(cache, f.name), getattr(specs, f.name)) for f in dataclasses.fields(cache)}
+    return {f.name: _shard_bytes(getattr(cache, f.name).shape, getattr(cache, f.name).dtype, mesh,
+                                 getattr(specs, f.name)) for f in dataclasses.fields(cache)}
 
 
 def _param_count(model) -> int:
@@ -205,13 +200,13 @@ def compile_layer(kind: str, cfg, mesh, rules, batch: int, context: int) -> dict
         fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(x_sh, s_sh, c_sh))
         args = (state, x, s, c)
     elif kind == "mla":
-        # the layer's own latent caches [B, S, .]
-        ckv, ckv_sh = arg((B, context, cfg.kv_lora_rank), dt, ca["mla_ckv"], "mla_ckv")
-        kpe, kpe_sh = arg((B, context, cfg.qk_rope_head_dim), dt, ca["mla_kpe"], "mla_kpe")
+        # the layer writes into the stacked latent caches [n_mla, B, S, .]: here a stack of one
+        ckv, ckv_sh = arg((1, B, context, cfg.kv_lora_rank), dt, ca["mla_ckv"], "mla_ckv")
+        kpe, kpe_sh = arg((1, B, context, cfg.qk_rope_head_dim), dt, ca["mla_kpe"], "mla_kpe")
         ln, _ = arg((B,), jnp.int32, ca["length"], "length")
 
         def step(st, x, ckv, kpe, ln):
-            return nnx.merge(graphdef, st)(x, ckv, kpe, ln, absorbed=True)
+            return nnx.merge(graphdef, st)(x, ckv, kpe, 0, ln, absorbed=True)
 
         fn = jax.jit(step, donate_argnums=(2, 3), out_shardings=(x_sh, ckv_sh, kpe_sh))
         args = (state, x, ckv, kpe, ln)

@@ -214,7 +214,7 @@ def module_param_specs(module, prefix: str, mesh: Any, rules: Optional[ShardingR
 
 def cache_specs(cache, mesh: Any, rules: Optional[ShardingRules] = None):
     """The cache pytree (KimiCache or DrafterCache; concrete or ShapeDtypeStruct leaves) with a PartitionSpec in
-    place of every array (a field holding one array per layer, a tuple of them, gets a tuple of specs)."""
+    every field."""
     rules = rules or rules_for(mesh)
     name = type(cache).__name__
     if name not in CACHE_AXES:
@@ -222,10 +222,7 @@ def cache_specs(cache, mesh: Any, rules: Optional[ShardingRules] = None):
     specs = {}
     for field, axes in CACHE_AXES[name].items():
         leaf = getattr(cache, field)
-        where = f"{name}.{field}"
-        specs[field] = (tuple(logical_to_spec(axes, tuple(x.shape), mesh, rules, where=f"{where}[{i}]")
-                              for i, x in enumerate(leaf)) if isinstance(leaf, tuple)
-                        else logical_to_spec(axes, tuple(leaf.shape), mesh, rules, where=where))
+        specs[field] = logical_to_spec(axes, tuple(leaf.shape), mesh, rules, where=f"{name}.{field}")
     return dataclasses.replace(cache, **specs)
 
 

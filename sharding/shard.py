@@ -46,11 +46,8 @@ class ShardingPlan(Partitioner):
     sharded = True
 
     def cache_shardings(self, cache):
-        """field -> its NamedSharding (a tuple of them for a field holding one array per layer)."""
         specs = cache_specs(cache, self.mesh, self.rules)
-        return {f.name: jax.tree.map(lambda s: NamedSharding(self.mesh, s), getattr(specs, f.name),
-                                     is_leaf=lambda x: isinstance(x, P))
-                for f in dataclasses.fields(cache)}
+        return {f.name: NamedSharding(self.mesh, getattr(specs, f.name)) for f in dataclasses.fields(cache)}
 
     def constrain(self, x, logical_axes):
         spec = logical_to_spec(logical_axes, x.shape, self.mesh, self.rules, where="activation")
@@ -118,4 +115,4 @@ def shard_cache(cache, mesh, rules=None):
     """A ``KimiCache`` or ``DrafterCache`` placed on ``mesh`` by the cache rules."""
     rules = rules_for(mesh) if rules is None else rules_for(rules)
     sh = ShardingPlan(mesh, rules).cache_shardings(cache)
-    return dataclasses.replace(cache, **{k: jax.tree.map(put, getattr(cache, k), s) for k, s in sh.items()})
+    return dataclasses.replace(cache, **{k: put(getattr(cache, k), s) for k, s in sh.items()})

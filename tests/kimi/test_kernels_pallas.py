@@ -321,8 +321,8 @@ def test_model_pallas_kernels_match_xla():
     c = m_x.init_cache(B, 16)
     rand = lambda a, s=1.0: jnp.asarray(s * rng.standard_normal(a.shape), a.dtype)
     cache = dataclasses.replace(  # a cache in the middle of a sequence: nonzero states, ragged lengths
-        c, kda_state=rand(c.kda_state, 0.3), conv_state=rand(c.conv_state), mla_ckv=tuple(map(rand, c.mla_ckv)),
-        mla_kpe=tuple(map(rand, c.mla_kpe)), length=jnp.array([4, 6], jnp.int32))
+        c, kda_state=rand(c.kda_state, 0.3), conv_state=rand(c.conv_state), mla_ckv=rand(c.mla_ckv),
+        mla_kpe=rand(c.mla_kpe), length=jnp.array([4, 6], jnp.int32))
     tok = rng.integers(0, m_x.config.vocab_size, (B, 3)).astype(np.int32)
     fresh = lambda: jax.tree.map(jnp.copy, cache)  # decode / verify donate their cache
     dx, dp = m_x.decode(tok[:, 0], fresh()), m_p.decode(tok[:, 0], fresh())

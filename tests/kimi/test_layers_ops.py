@@ -106,14 +106,14 @@ def test_mla_layer_absorbed_flag():
     cfg = kimi.KimiConfig.tiny()
     layer = layers.GatedMLA(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (1, 4, cfg.hidden_size))
-    ckv = jnp.zeros((1, 8, cfg.kv_lora_rank))
-    kpe = jnp.zeros((1, 8, cfg.qk_rope_head_dim))
+    ckv = jnp.zeros((2, 1, 8, cfg.kv_lora_rank))
+    kpe = jnp.zeros((2, 1, 8, cfg.qk_rope_head_dim))
     ln = jnp.array([2], jnp.int32)
-    y1, c1, _ = layer(x, ckv, kpe, ln, absorbed=True)
-    y2 = layer(x, ckv, kpe, ln, absorbed=False)[0]
+    y1, c1, _ = layer(x, ckv, kpe, 1, ln, absorbed=True)
+    y2 = layer(x, ckv, kpe, 1, ln, absorbed=False)[0]
     np.testing.assert_allclose(y1, y2, atol=1e-5)
-    assert not np.any(np.asarray(c1[:, :2]))  # only rows 2..5 written
-    assert np.all(np.any(np.asarray(c1[0, 2:6]) != 0, -1)) and not np.any(np.asarray(c1[:, 6:]))
+    assert not np.any(np.asarray(c1[0])) and not np.any(np.asarray(c1[1, :, :2]))  # only entry 1, rows 2..5
+    assert np.all(np.any(np.asarray(c1[1, 0, 2:6]) != 0, -1)) and not np.any(np.asarray(c1[1, :, 6:]))
 
 
 def test_router_bias_selects_but_does_not_weight():

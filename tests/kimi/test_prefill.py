@@ -40,8 +40,7 @@ def test_chunked_prefill_equals_one_pass(model, one_pass, chunk):
     np.testing.assert_allclose(cache.kda_state, ref.cache.kda_state, atol=1e-4, rtol=0)
     np.testing.assert_allclose(cache.conv_state, ref.cache.conv_state, atol=1e-5, rtol=0)
     for b, n in enumerate(np.asarray(valid)):
-        for c, r in zip(cache.mla_ckv, ref.cache.mla_ckv, strict=True):
-            np.testing.assert_allclose(c[b, :n], r[b, :n], atol=1e-4, rtol=0)
+        np.testing.assert_allclose(cache.mla_ckv[:, b, :n], ref.cache.mla_ckv[:, b, :n], atol=1e-4, rtol=0)
     # the last-token logits a generation starts from
     last, _, _ = jax.jit(lambda t, c, v: prefill_chunked(model, t, c, chunk=chunk, valid_len_B=v))(
         toks, model.init_cache(2, 64 + chunk), valid)
@@ -88,8 +87,7 @@ def test_prefill_on_a_prompt_sized_cache_padded_equals_the_full_cache(model, one
     small = model.forward(toks, model.init_cache(2, T), mode="prefill", tap_layers=(1, 3), valid_len_B=valid)
     padded = small.cache.padded_to(64)
     assert padded.max_len == 64
-    for c in padded.mla_ckv:
-        np.testing.assert_array_equal(c[:, T:], 0)
+    np.testing.assert_array_equal(padded.mla_ckv[:, :, T:], 0)
     for b, n in enumerate(np.asarray(valid)):
         np.testing.assert_allclose(small.logits[b, :n], ref.logits[b, :n], atol=1e-4, rtol=0)
     nxt = jnp.argmax(ref.logits[jnp.arange(2), valid - 1], -1)[:, None]

@@ -24,7 +24,6 @@ def snapshot() -> dict:
 
     import jax
     from flax import nnx
-    from jax.sharding import PartitionSpec as P
 
     from jdspark.drafter import DSparkDrafter
     from kimi.cache import KimiCache
@@ -42,11 +41,7 @@ def snapshot() -> dict:
 
     def fields(c):
         specs = cache_specs(c, mesh, rules)
-        def as_json(spec):  # a field holding one array per layer: a list of specs
-            return [spec_to_json(s) for s in spec] if isinstance(spec, tuple) and spec and isinstance(spec[0], P) \
-                else spec_to_json(spec)
-
-        return {f.name: as_json(getattr(specs, f.name)) for f in dataclasses.fields(c)}
+        return {f.name: spec_to_json(getattr(specs, f.name)) for f in dataclasses.fields(c)}
 
     out = {"regenerate": REGEN, "cache_batch": CACHE_BATCH, "presets": {}}
     for preset in PRESETS:

@@ -30,25 +30,18 @@ def single():
     return cfg, model, tok, host
 
 
-def _arrays(field):
-    """A cache field's arrays (a field holding one per layer is a tuple of them)."""
-    return field if isinstance(field, tuple) else (field,)
-
-
 def _assert_cache(got, want):
     for f in dataclasses.fields(want):
-        for g, w in zip(_arrays(getattr(got, f.name)), _arrays(getattr(want, f.name)), strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL, err_msg=f.name)
+        np.testing.assert_allclose(np.asarray(getattr(got, f.name)), np.asarray(getattr(want, f.name)), **TOL,
+                                   err_msg=f.name)
 
 
 def _assert_layout(cache, mesh):
     want = sharding.cache_specs(cache, mesh)
     for f in dataclasses.fields(cache):
-        specs = getattr(want, f.name)
-        for x, spec in zip(_arrays(getattr(cache, f.name)), specs if isinstance(specs, tuple) else (specs,),
-                           strict=True):
-            assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), x.ndim), \
-                f"{f.name}: {x.sharding} != {spec}"
+        x, spec = getattr(cache, f.name), getattr(want, f.name)
+        assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), x.ndim), \
+            f"{f.name}: {x.sharding} != {spec}"
 
 
 @pytest.mark.parametrize("preset", PRESETS)
