@@ -79,7 +79,7 @@ def test_mla_absorbed_tiled_equals_absorbed(tile):
 
 def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
     """The model's decode and verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by
-    tiles of 16) give the whole-cache logits; the dispatch says which path a shape takes."""
+    3 tiles of 14) give the whole-cache logits; the dispatch says which path a shape takes."""
     cfg = kimi.KimiConfig.tiny()
     model = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(3), (1, 30), 0, cfg.vocab_size)
@@ -92,10 +92,9 @@ def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
         return f(*args), f.lower(*args).as_text().count("stablehlo.while")
 
     whole, loops_whole = run()
-    monkeypatch.setattr(dispatch, "MLA_ABSORBED_TILED_MIN_SCORES", 0)
+    monkeypatch.setattr(dispatch, "MLA_ABSORBED_TILED_MIN_KEYS", 32)
     monkeypatch.setattr(dispatch, "MLA_ABSORBED_KEY_TILE", 16)
-    assert dispatch.mla_absorbed_key_tile(8, cfg.num_attention_heads, 40) == 16
-    assert dispatch.mla_absorbed_key_tile(8, cfg.num_attention_heads, 16) is None  # one tile: the whole cache
+    assert dispatch.mla_absorbed_key_tile(40) == 14 and dispatch.mla_absorbed_key_tile(32) is None  # 3 equal tiles
     tiled, loops_tiled = run()
     assert loops_tiled == loops_whole + 2 * cfg.num_mla_layers  # a tile loop per MLA layer in decode and verify
     for w, t in zip(whole, tiled):
