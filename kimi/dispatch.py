@@ -16,8 +16,8 @@ path has a test against its reference.
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
   prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
   MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE
-  MLA decode      mla_absorbed_key_tile  on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys, equal key tiles of
-                                       at most MLA_ABSORBED_KEY_TILE; else one whole-cache pass
+  MLA verify      mla_absorbed_key_tile  on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys, equal key tiles of
+                                       at most MLA_ABSORBED_KEY_TILE; else (and decode) one whole-cache pass
 """
 
 from __future__ import annotations
@@ -187,20 +187,22 @@ def mla_key_tile(num_keys: int) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------------------------------- MLA decode
-# Decode and verify (the absorbed form) over a cache of more keys than this go in equal key tiles of at most
-# MLA_ABSORBED_KEY_TILE keys (online softmax, kimi/ops/mla.py: mla_attend_absorbed_tiled): past that size the
-# [H * T, S] fp32 scores of a verify outgrow the CPU's cache and XLA:CPU's passes over them (mask, max, exp-sum,
-# the weighted sum) each go to memory (an 8-token verify at 128K keys: 93 -> 48 ms, scripts/bench_step_cost.py,
-# docs/performance.md). Shorter caches (the serving engine's slots) keep the one-pass form. On accelerators one
-# fused pass (the tile loop is not measured there).
+# A verify (the absorbed form, T > 1 queries) over a cache of more keys than this goes in equal key tiles of at
+# most MLA_ABSORBED_KEY_TILE keys (online softmax, kimi/ops/mla.py: mla_attend_absorbed_tiled): past that size its
+# [H * T, S] fp32 scores outgrow the CPU's cache and XLA:CPU's passes over them (mask, max, exp-sum, the weighted
+# sum) each go to memory (an 8-token verify at 128K keys: 100 -> 63 ms, at 32K 17 -> 14 ms;
+# scripts/bench_step_cost.py, docs/performance.md). A decode step's [H, S] scores stay small: tiled it was no
+# faster at 128K and slower at 32K. Shorter caches (the serving engine's slots) keep the one-pass form. On
+# accelerators one fused pass (the tile loop is not measured there).
 MLA_ABSORBED_TILED_MIN_KEYS = 16384
 MLA_ABSORBED_KEY_TILE = 8192
 
 
-def mla_absorbed_key_tile(num_keys: int) -> Optional[int]:
-    """The key tile a decode or verify over a cache of ``num_keys`` positions uses: None (one pass) up to
-    MLA_ABSORBED_TILED_MIN_KEYS and off CPU; else ceil(S / MLA_ABSORBED_KEY_TILE) tiles of equal size."""
-    if jax.default_backend() != "cpu" or num_keys <= MLA_ABSORBED_TILED_MIN_KEYS:
+def mla_absorbed_key_tile(num_queries: int, num_keys: int) -> Optional[int]:
+    """The key tile a decode or verify of ``num_queries`` tokens over a cache of ``num_keys`` positions uses: None
+    (one pass) for a decode, up to MLA_ABSORBED_TILED_MIN_KEYS and off CPU; else ceil(S / MLA_ABSORBED_KEY_TILE)
+    tiles of equal size."""
+    if jax.default_backend() != "cpu" or num_queries == 1 or num_keys <= MLA_ABSORBED_TILED_MIN_KEYS:
         return None
     n_tiles = -(-num_keys // MLA_ABSORBED_KEY_TILE)
     return -(-num_keys // n_tiles)

@@ -344,7 +344,7 @@ class GatedMLA(nnx.Module):
         ckv_BSL, kpe_BSR = ckv_NBSL[slot], kpe_NBSR[slot]
         args = (q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
         if absorbed:
-            tile = dispatch.mla_absorbed_key_tile(ckv_BSL.shape[1])
+            tile = dispatch.mla_absorbed_key_tile(T, ckv_BSL.shape[1])
             o_BTHV = (mla_ops.mla_attend_absorbed_tiled(*args, tile=tile) if tile
                       else mla_ops.mla_attend_absorbed(*args))
         elif tile := dispatch.mla_key_tile(ckv_BSL.shape[1]):

@@ -78,8 +78,8 @@ def test_mla_absorbed_tiled_equals_absorbed(tile):
 
 
 def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
-    """The model's decode and verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by
-    3 tiles of 14) give the whole-cache logits; the dispatch says which path a shape takes."""
+    """The model's verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by 3 tiles of
+    14) gives the whole-cache logits, and decode (one pass either way) its own; the dispatch says which path."""
     cfg = kimi.KimiConfig.tiny()
     model = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(3), (1, 30), 0, cfg.vocab_size)
@@ -94,9 +94,10 @@ def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
     whole, loops_whole = run()
     monkeypatch.setattr(dispatch, "MLA_ABSORBED_TILED_MIN_KEYS", 32)
     monkeypatch.setattr(dispatch, "MLA_ABSORBED_KEY_TILE", 16)
-    assert dispatch.mla_absorbed_key_tile(40) == 14 and dispatch.mla_absorbed_key_tile(32) is None  # 3 equal tiles
+    assert dispatch.mla_absorbed_key_tile(8, 40) == 14  # 3 equal tiles
+    assert dispatch.mla_absorbed_key_tile(8, 32) is None and dispatch.mla_absorbed_key_tile(1, 40) is None
     tiled, loops_tiled = run()
-    assert loops_tiled == loops_whole + 2 * cfg.num_mla_layers  # a tile loop per MLA layer in decode and verify
+    assert loops_tiled == loops_whole + cfg.num_mla_layers  # a tile loop per MLA layer in the verify
     for w, t in zip(whole, tiled):
         np.testing.assert_allclose(t, w, atol=1e-4, rtol=0)
 
