@@ -88,6 +88,14 @@ def mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_po
 
 
 
+def _tile_visible(start, j, tile: int, q_pos_BT, kv_len_B):
+    """[B, T, tile]: key start + k is visible to query t (causal, below kv_len) and not an earlier tile's (the
+    last tile is shifted back to end at S, so its first keys were already covered)."""
+    s_K = start + jnp.arange(tile, dtype=jnp.int32)
+    return ((s_K[None, None] <= q_pos_BT[:, :, None]) & (s_K[None, None] < kv_len_B[:, None, None])
+            & (s_K[None, None] >= j * tile))
+
+
 def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int,
                      tile: int):
     """The unabsorbed form, key tile by key tile (online softmax; see the module docstring). Returns o_BTHV (fp32).
@@ -111,9 +119,7 @@ def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_B
         k_BKHN = jnp.einsum("bkl,hnl->bkhn", ckv_BKL, w_uk_HNL)
         v_BKHV = jnp.einsum("bkl,hvl->bkhv", ckv_BKL, w_uv_HVL)
         logits = _rope_logits(jnp.einsum("bthn,bkhn->bhtk", q_nope, k_BKHN), q_pe, kpe_BKR)
-        s_K = start + jnp.arange(tile, dtype=jnp.int32)
-        vis_BTK = ((s_K[None, None] <= q_pos_BT[:, :, None]) & (s_K[None, None] < kv_len_B[:, None, None])
-                   & (s_K[None, None] >= j * tile))
+        vis_BTK = _tile_visible(start, j, tile, q_pos_BT, kv_len_B)
         logits = jnp.where(vis_BTK[:, None], logits, _NEG)
         m_new = jnp.maximum(m_BHT, logits.max(-1))
         p_BHTK = jnp.where(vis_BTK[:, None], jnp.exp(logits - m_new[..., None]), 0.0)
@@ -156,9 +162,7 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
         if R:
             kpe_BKR = jax.lax.dynamic_slice_in_dim(kpe_BSR, start, tile, axis=1).astype(f32)
             s_BQK = s_BQK + jax.lax.dot_general(q_pe_BQR, kpe_BKR, keys)
-        s_K = start + jnp.arange(tile, dtype=jnp.int32)
-        vis_BTK = ((s_K[None, None] <= q_pos_BT[:, :, None]) & (s_K[None, None] < kv_len_B[:, None, None])
-                   & (s_K[None, None] >= j * tile))
+        vis_BTK = _tile_visible(start, j, tile, q_pos_BT, kv_len_B)
         vis_BQK = jnp.broadcast_to(vis_BTK[:, None], (B, H, T, tile)).reshape(B, H * T, tile)
         s_BQK = jnp.where(vis_BQK, s_BQK, _NEG)
         m_new = jnp.maximum(m_BQ, s_BQK.max(-1))

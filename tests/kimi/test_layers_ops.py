@@ -37,10 +37,14 @@ def test_mla_absorbed_equals_unabsorbed():
                 np.testing.assert_allclose(a[b, t, h], o, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["unabsorbed", "absorbed"])
 @pytest.mark.parametrize("tile", [4, 5, 11])
-def test_mla_tiled_equals_unabsorbed(tile):
-    """Key tiles that do and do not divide S (the last tile shifted back), rows whose visible keys end in different
-    tiles (fewer tiles run than S holds), a row with padded queries."""
+def test_mla_tiled_equals_one_pass(tile, form):
+    """Both forms by key tiles (prefill chunks: unabsorbed; a verify over a long cache: absorbed) against their
+    one-pass form: tiles that do and do not divide S (the last tile shifted back), rows whose visible keys end in
+    different tiles (fewer tiles run than S holds), a row with padded queries."""
+    tiled, one_pass = {"unabsorbed": (mla.mla_attend_tiled, mla.mla_attend_unabsorbed),
+                       "absorbed": (mla.mla_attend_absorbed_tiled, mla.mla_attend_absorbed)}[form]
     B, T, S, H, N, R, L, V = 3, 4, 23, 2, 8, 4, 16, 8
     ks = jax.random.split(jax.random.key(1), 5)
     q_nope = jax.random.normal(ks[0], (B, T, H, N)) * 2
@@ -51,30 +55,10 @@ def test_mla_tiled_equals_unabsorbed(tile):
     length = jnp.array([0, 6, 19], jnp.int32)
     q_pos = length[:, None] + jnp.arange(T)[None]
     kv_len = length + jnp.array([T, T, 2], jnp.int32)
-    u = mla.mla_attend_unabsorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, V)
-    t = jax.jit(mla.mla_attend_tiled, static_argnames=("v_dim", "tile"))(
+    want = one_pass(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, V)
+    got = jax.jit(tiled, static_argnames=("v_dim", "tile"))(
         q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, v_dim=V, tile=tile)
-    np.testing.assert_allclose(t, u, atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("tile", [4, 5, 11])
-def test_mla_absorbed_tiled_equals_absorbed(tile):
-    """Decode and verify over a long cache (the absorbed form by key tiles): tiles that do and do not divide S,
-    rows whose visible keys end in different tiles, a row with fewer valid keys than its queries' positions."""
-    B, T, S, H, N, R, L, V = 3, 4, 23, 2, 8, 4, 16, 8
-    ks = jax.random.split(jax.random.key(2), 5)
-    q_nope = jax.random.normal(ks[0], (B, T, H, N)) * 2
-    q_pe = jax.random.normal(ks[1], (B, T, H, R))
-    ckv = jax.random.normal(ks[2], (B, S, L))
-    kpe = jax.random.normal(ks[3], (B, S, R))
-    w_kvb = jax.random.normal(ks[4], (L, H * (N + V))) * 0.3
-    length = jnp.array([0, 6, 19], jnp.int32)
-    q_pos = length[:, None] + jnp.arange(T)[None]
-    kv_len = length + jnp.array([T, T, 2], jnp.int32)
-    a = mla.mla_attend_absorbed(q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, V)
-    t = jax.jit(mla.mla_attend_absorbed_tiled, static_argnames=("v_dim", "tile"))(
-        q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, v_dim=V, tile=tile)
-    np.testing.assert_allclose(t, a, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
