@@ -186,7 +186,7 @@ def mla_key_tile(num_keys: int) -> Optional[int]:
     return MLA_KEY_TILE if num_keys > MLA_TILED_MIN_KEYS else None
 
 
-# --------------------------------------------------------------------------------------------------- MLA decode
+# --------------------------------------------------------------------------------------------------- MLA verify
 # A verify (the absorbed form, T > 1 queries) over a cache of more keys than this goes in equal key tiles of at
 # most MLA_ABSORBED_KEY_TILE keys (online softmax, kimi/ops/mla.py: mla_attend_absorbed_tiled): past that size its
 # [H * T, S] fp32 scores outgrow the CPU's cache and XLA:CPU's passes over them (mask, max, exp-sum, the weighted

@@ -14,9 +14,10 @@ shared by all heads). With W_kvb reshaped to [H, N + V, L] (N = nope dim, V = va
                l = l * e^(m - m') + sum_s e^(logit - m')), o = acc / l. Only the tiles below max(kv_len) run, so a
                chunk of a long prefill holds [T, K] scores per head, not [T, S], and skips the cache's empty tail.
 
-  absorbed, tiled:  the absorbed form over key tiles with the same online softmax (decode and verify over a long
-               cache): the [H * T, tile] scores of a tile stay in cache where the whole [H * T, S] scores would be
-               written and read back from memory by each pass over them (mask, max, exp-sum, weighted sum).
+  absorbed, tiled:  the absorbed form over key tiles with the same online softmax (a verify over a long cache on
+               CPU, ``kimi.dispatch.mla_absorbed_key_tile``): the [H * T, tile] scores of a tile stay in cache where
+               the whole [H * T, S] scores would be written and read back from memory by each pass over them
+               (mask, max, exp-sum, weighted sum).
 
 All are the same function of the inputs; scale = (N + R)^-1/2. Masking: key s is visible to query t iff
 s <= q_pos[t] and s < kv_len; the mask is applied to the logits before the fp32 softmax (before ``exp`` in the
