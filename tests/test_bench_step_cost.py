@@ -1,0 +1,41 @@
+"""scripts/bench_step_cost.py on a tiny random pair: pass times per width and drafter context, and the ratios the
+JSON reports derived from them (ceiling, break-even, prediction from a bench_long run's accept_len)."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import jdspark
+import kimi
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+import bench_step_cost  # noqa: E402
+
+
+def test_pass_costs_and_the_figures_derived_from_them(tmp_path):
+    cfg = kimi.KimiConfig.tiny()
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
+                                    rngs=nnx.Rngs(1))
+    block = np.random.default_rng(0).integers(4, 200, 4)
+    secs = bench_step_cost.pass_costs(target, drafter, block, 40, (2, 4), 8, iters=1, repeats=1)
+    assert set(secs) == {"decode", "verify_2", "verify_4", "draft_none", "draft_8"}
+    assert all(v > 0 for v in secs.values())
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps({"lengths": [{"context": 40, "drafter_window": 8, "accept_len": 2.5, "speedup": 1.1},
+                                            {"context": 40, "drafter_window": None, "accept_len": 1.0,
+                                             "speedup": 0.5}]}) + "\n")
+    measured = bench_step_cost.measured_rows(str(path), 8)
+    assert measured[40]["accept_len"] == 2.5
+    row = bench_step_cost.summarize(40, secs, (2, 4), 8, 3, measured[40])
+    step = secs["verify_4"] + secs["draft_8"]
+    assert row["speedup_ceiling"]["4"] == pytest.approx(4 * secs["decode"] / step, rel=1e-3)
+    assert row["breakeven_accept_len"] == pytest.approx(step / secs["decode"], rel=1e-3)
+    assert row["predicted_speedup"] == pytest.approx(2.5 * secs["decode"] / step, rel=1e-3)
+    assert row["verify_over_decode"]["2"] == pytest.approx(secs["verify_2"] / secs["decode"], rel=1e-3)
+    json.dumps(row)
