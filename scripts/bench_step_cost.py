@@ -21,10 +21,10 @@ What it reports per length, from those times alone (no generation is run):
   predicted_speedup       accept_len * decode / (verify_{G+1} + draft) for an accept_len measured at this length
                           (``--accept-from`` a ``bench_long.py`` JSON, its windowed row), beside that run's measured
                           speedup: the cost model checked against a real run.
-On two CPU cores the absorbed MLA attention over a long latent cache is compute-bound (each of the W queries and
-each head scores every key), so verify_W grows ~W-fold with the context while the rest of the step stays fixed; on
-an accelerator a decode and a verify both read the cache once. One JSON line, last: ``{"backend", "block_size",
-"window", "lengths": [{"context", "decode_ms", "verify_ms", "draft_ms", ...}, ...]}``.
+On two CPU cores a verify's attention over a long latent cache scores H * W query rows against every key, so it
+grows faster with the context than a decode's (at 128K an 8-token verify is ~1.8 decode steps; docs/performance.md);
+on an accelerator a decode and a verify both read the cache once. One JSON line, last: ``{"backend",
+"block_size", "window", "lengths": [{"context", "decode_ms", "verify_ms", "draft_ms", ...}, ...]}``.
 """
 
 from __future__ import annotations
