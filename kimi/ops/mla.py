@@ -97,6 +97,17 @@ def _tile_visible(start, j, tile: int, q_pos_BT, kv_len_B):
             & (s_K[None, None] >= j * tile))
 
 
+def _online_softmax_tile(m, l, logits, vis):
+    """One key tile's step of the online softmax: masked logits (mask before ``exp``), then
+    m' = max(m, max_k logit), p = e^(logit - m') (0 where masked), alpha = e^(m - m'), l' = l alpha + sum_k p.
+    Returns (m', l', p, alpha); the caller rescales its accumulator by alpha and adds p's weighted values."""
+    logits = jnp.where(vis, logits, _NEG)
+    m_new = jnp.maximum(m, logits.max(-1))
+    p = jnp.where(vis, jnp.exp(logits - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    return m_new, l * alpha + p.sum(-1), p, alpha
+
+
 def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int,
                      tile: int):
     """The unabsorbed form, key tile by key tile (online softmax; see the module docstring). Returns o_BTHV (fp32).
@@ -121,11 +132,7 @@ def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_B
         v_BKHV = jnp.einsum("bkl,hvl->bkhv", ckv_BKL, w_uv_HVL)
         logits = _rope_logits(jnp.einsum("bthn,bkhn->bhtk", q_nope, k_BKHN), q_pe, kpe_BKR)
         vis_BTK = _tile_visible(start, j, tile, q_pos_BT, kv_len_B)
-        logits = jnp.where(vis_BTK[:, None], logits, _NEG)
-        m_new = jnp.maximum(m_BHT, logits.max(-1))
-        p_BHTK = jnp.where(vis_BTK[:, None], jnp.exp(logits - m_new[..., None]), 0.0)
-        alpha_BHT = jnp.exp(m_BHT - m_new)
-        l_BHT = l_BHT * alpha_BHT + p_BHTK.sum(-1)
+        m_new, l_BHT, p_BHTK, alpha_BHT = _online_softmax_tile(m_BHT, l_BHT, logits, vis_BTK[:, None])
         acc_BTHV = acc_BTHV * jnp.transpose(alpha_BHT, (0, 2, 1))[..., None] + jnp.einsum(
             "bhtk,bkhv->bthv", p_BHTK, v_BKHV)
         return m_new, l_BHT, acc_BTHV
@@ -165,11 +172,7 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
             s_BQK = s_BQK + jax.lax.dot_general(q_pe_BQR, kpe_BKR, keys)
         vis_BTK = _tile_visible(start, j, tile, q_pos_BT, kv_len_B)
         vis_BQK = jnp.broadcast_to(vis_BTK[:, None], (B, H, T, tile)).reshape(B, H * T, tile)
-        s_BQK = jnp.where(vis_BQK, s_BQK, _NEG)
-        m_new = jnp.maximum(m_BQ, s_BQK.max(-1))
-        p_BQK = jnp.where(vis_BQK, jnp.exp(s_BQK - m_new[..., None]), 0.0)
-        alpha_BQ = jnp.exp(m_BQ - m_new)
-        l_BQ = l_BQ * alpha_BQ + p_BQK.sum(-1)
+        m_new, l_BQ, p_BQK, alpha_BQ = _online_softmax_tile(m_BQ, l_BQ, s_BQK, vis_BQK)
         acc_BQL = acc_BQL * alpha_BQ[..., None] + jax.lax.dot_general(p_BQK, ckv_BKL, (((2,), (1,)), ((0,), (0,))))
         return m_new, l_BQ, acc_BQL
 
