@@ -16,8 +16,8 @@ path has a test against its reference.
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
   prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
   MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE
-  MLA verify      mla_absorbed_key_tile  on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys, equal key tiles of
-                                       at most MLA_ABSORBED_KEY_TILE; else (and decode) one whole-cache pass
+  MLA decode      mla_absorbed_key_tile  decode and verify on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys:
+                                       equal key tiles of at most MLA_ABSORBED_KEY_TILE; else one whole-cache pass
 """
 
 from __future__ import annotations
@@ -186,23 +186,25 @@ def mla_key_tile(num_keys: int) -> Optional[int]:
     return MLA_KEY_TILE if num_keys > MLA_TILED_MIN_KEYS else None
 
 
-# --------------------------------------------------------------------------------------------------- MLA verify
-# A verify (the absorbed form, T > 1 queries) over a cache of more keys than this goes in equal key tiles of at
-# most MLA_ABSORBED_KEY_TILE keys (online softmax, kimi/ops/mla.py: mla_attend_absorbed_tiled): past that size its
-# [H * T, S] fp32 scores outgrow the CPU's cache and XLA:CPU's passes over them (mask, max, exp-sum, the weighted
-# sum) each go to memory (an 8-token verify at 128K keys: 100 -> 63 ms, at 32K 17 -> 14 ms;
-# scripts/bench_step_cost.py, docs/performance.md). A decode step's [H, S] scores stay small: tiled it was no
-# faster at 128K and slower at 32K. Shorter caches (the serving engine's slots) keep the one-pass form. On
-# accelerators one fused pass (the tile loop is not measured there).
+# --------------------------------------------------------------------------------------------------- MLA decode
+# A decode or verify (the absorbed form) over a cache of more keys than this goes in equal key tiles of at most
+# MLA_ABSORBED_KEY_TILE keys (online softmax, kimi/ops/mla.py: mla_attend_absorbed_tiled), each tile read from the
+# stacked [n_mla, B, S, L] cache where it lies. The one-pass form needs the layer's cache as an operand of its
+# matmuls, and XLA:CPU copies the layer out of the stacked array for that on every step (50 MB per layer at 128K);
+# and a verify's [H * T, S] fp32 scores outgrow the CPU's cache, so each of XLA:CPU's passes over them (mask, max,
+# exp-sum, the weighted sum) goes to memory. Decode at 128K keys 31-36 -> 14 ms, an 8-token verify 49-54 -> 30-33
+# ms; at 32K 6.9-7.2 -> 5.3 and 12.8-14.4 -> 10.1-10.8 (scripts/bench_step_cost.py, docs/performance.md). Up
+# to 16K keys this CPU's run-to-run noise hides any difference, so shorter caches (the serving engine's slots)
+# keep the one-pass form.
+# On accelerators one fused pass (the tile loop is not measured there).
 MLA_ABSORBED_TILED_MIN_KEYS = 16384
 MLA_ABSORBED_KEY_TILE = 8192
 
 
-def mla_absorbed_key_tile(num_queries: int, num_keys: int) -> Optional[int]:
-    """The key tile a decode or verify of ``num_queries`` tokens over a cache of ``num_keys`` positions uses: None
-    (one pass) for a decode, up to MLA_ABSORBED_TILED_MIN_KEYS and off CPU; else ceil(S / MLA_ABSORBED_KEY_TILE)
-    tiles of equal size."""
-    if jax.default_backend() != "cpu" or num_queries == 1 or num_keys <= MLA_ABSORBED_TILED_MIN_KEYS:
+def mla_absorbed_key_tile(num_keys: int) -> Optional[int]:
+    """The key tile a decode or verify over a cache of ``num_keys`` positions uses: None (one pass) up to
+    MLA_ABSORBED_TILED_MIN_KEYS and off CPU; else ceil(S / MLA_ABSORBED_KEY_TILE) tiles of equal size."""
+    if jax.default_backend() != "cpu" or num_keys <= MLA_ABSORBED_TILED_MIN_KEYS:
         return None
     n_tiles = -(-num_keys // MLA_ABSORBED_KEY_TILE)
     return -(-num_keys // n_tiles)

@@ -341,16 +341,20 @@ class GatedMLA(nnx.Module):
                 kpe_new.dtype)
         ckv_NBSL = write_stacked(ckv_NBSL, slot, ckv_new, length_B)
         kpe_NBSR = write_stacked(kpe_NBSR, slot, kpe_new, length_B)
-        ckv_BSL, kpe_BSR = ckv_NBSL[slot], kpe_NBSR[slot]
-        args = (q_nope, q_pe, ckv_BSL, kpe_BSR, self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
+        S = ckv_NBSL.shape[2]
+        rest = (self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
+        # a tiled form reads its key tiles from the stacked arrays where they lie (``mla_ops._key_tile``); the
+        # one-pass forms take this layer's slice (a copy of it: short caches only)
+        stacked = (q_nope, q_pe, ckv_NBSL, kpe_NBSR) + rest
+        sliced = (q_nope, q_pe, ckv_NBSL[slot], kpe_NBSR[slot]) + rest
         if absorbed:
-            tile = dispatch.mla_absorbed_key_tile(T, ckv_BSL.shape[1])
-            o_BTHV = (mla_ops.mla_attend_absorbed_tiled(*args, tile=tile) if tile
-                      else mla_ops.mla_attend_absorbed(*args))
-        elif tile := dispatch.mla_key_tile(ckv_BSL.shape[1]):
-            o_BTHV = mla_ops.mla_attend_tiled(*args, tile=tile)
+            tile = dispatch.mla_absorbed_key_tile(S)
+            o_BTHV = (mla_ops.mla_attend_absorbed_tiled(*stacked, tile=tile, layer=slot) if tile
+                      else mla_ops.mla_attend_absorbed(*sliced))
+        elif tile := dispatch.mla_key_tile(S):
+            o_BTHV = mla_ops.mla_attend_tiled(*stacked, tile=tile, layer=slot)
         else:
-            o_BTHV = mla_ops.mla_attend_unabsorbed(*args)
+            o_BTHV = mla_ops.mla_attend_unabsorbed(*sliced)
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
             o = o * jax.nn.sigmoid(gate_in[0].astype(jnp.float32))

@@ -89,6 +89,21 @@ def mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_po
 
 
 
+def _key_tile(cache, layer, start, tile: int):
+    """Keys [start, start + tile) of every row of a latent cache: ``cache`` [B, S, X], or with ``layer`` (static)
+    entry ``layer`` of a stacked [n_layers, B, S, X] cache, read where it lies (``cache[layer]`` first would copy
+    that layer's whole cache on every call: the slice feeds a loop, and XLA:CPU materialises it)."""
+    if layer is None:
+        return jax.lax.dynamic_slice_in_dim(cache, start, tile, axis=1)
+    _, B, _, X = cache.shape
+    return jax.lax.dynamic_slice(cache, (layer, 0, start, 0), (1, B, tile, X))[0]
+
+
+def _cache_layer(cache, layer):
+    """The [B, S, X] cache of ``layer`` (static) of a stacked cache, or ``cache`` itself when ``layer`` is None."""
+    return cache if layer is None else cache[layer]
+
+
 def _tile_visible(start, j, tile: int, q_pos_BT, kv_len_B):
     """[B, T, tile]: key start + k is visible to query t (causal, below kv_len) and not an earlier tile's (the
     last tile is shifted back to end at S, so its first keys were already covered)."""
@@ -109,16 +124,17 @@ def _online_softmax_tile(m, l, logits, vis):
 
 
 def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int,
-                     tile: int):
+                     tile: int, layer=None):
     """The unabsorbed form, key tile by key tile (online softmax; see the module docstring). Returns o_BTHV (fp32).
 
     Tiles start at j * tile; the last one is shifted back to end at S (a ``dynamic_slice`` stays in bounds) and
     keys an earlier tile already covered are masked out of it. The loop runs ceil(max(kv_len) / tile) tiles (a
     ``fori_loop`` with a traced trip count): peak memory is one tile's keys, values and [B, H, T, tile] scores."""
     B, T, H, N = q_nope_BTHN.shape
-    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
+    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[-2], jnp.float32
     if tile >= S:
-        return mla_attend_unabsorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
+        return mla_attend_unabsorbed(q_nope_BTHN, q_pe_BTHR, _cache_layer(ckv_BSL, layer), _cache_layer(kpe_BSR, layer),
+                                     w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
     w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
     scale = np.float32((N + R) ** -0.5)
     q_nope, q_pe = q_nope_BTHN.astype(f32) * scale, q_pe_BTHR.astype(f32) * scale
@@ -126,8 +142,8 @@ def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_B
     def body(j, carry):
         m_BHT, l_BHT, acc_BTHV = carry
         start = jnp.minimum(j * tile, S - tile)
-        ckv_BKL = jax.lax.dynamic_slice_in_dim(ckv_BSL, start, tile, axis=1).astype(f32)
-        kpe_BKR = jax.lax.dynamic_slice_in_dim(kpe_BSR, start, tile, axis=1)
+        ckv_BKL = _key_tile(ckv_BSL, layer, start, tile).astype(f32)
+        kpe_BKR = _key_tile(kpe_BSR, layer, start, tile)
         k_BKHN = jnp.einsum("bkl,hnl->bkhn", ckv_BKL, w_uk_HNL)
         v_BKHV = jnp.einsum("bkl,hvl->bkhv", ckv_BKL, w_uv_HVL)
         logits = _rope_logits(jnp.einsum("bthn,bkhn->bhtk", q_nope, k_BKHN), q_pe, kpe_BKR)
@@ -145,7 +161,7 @@ def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_B
 
 
 def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim: int,
-                              tile: int):
+                              tile: int, layer=None):
     """The absorbed form, key tile by key tile (online softmax; see the module docstring). Returns o_BTHV (fp32).
 
     Per tile j (keys [start, start + tile), start = min(j * tile, S - tile); keys below j * tile belong to an
@@ -153,9 +169,10 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
     m' = max(m, max_k s), acc = acc e^(m - m') + sum_k e^(s - m') c_kv[k], l = l e^(m - m') + sum_k e^(s - m');
     o_lat = acc / l and o = W_uv o_lat. ceil(max(kv_len) / tile) tiles run (the cache's empty tail is skipped)."""
     B, T, H, N = q_nope_BTHN.shape
-    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[1], jnp.float32
+    R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[-2], jnp.float32
     if tile >= S:
-        return mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
+        return mla_attend_absorbed(q_nope_BTHN, q_pe_BTHR, _cache_layer(ckv_BSL, layer), _cache_layer(kpe_BSR, layer),
+                                   w_kvb_LP, q_pos_BT, kv_len_B, v_dim)
     w_uk_HNL, w_uv_HVL = split_kv_b(w_kvb_LP.astype(f32), H, N, v_dim)
     scale = np.float32((N + R) ** -0.5)
     q_lat_BQL = jnp.einsum("bthn,hnl->bhtl", q_nope_BTHN.astype(f32) * scale, w_uk_HNL).reshape(B, H * T, -1)
@@ -165,10 +182,10 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
     def body(j, carry):
         m_BQ, l_BQ, acc_BQL = carry
         start = jnp.minimum(j * tile, S - tile)
-        ckv_BKL = jax.lax.dynamic_slice_in_dim(ckv_BSL, start, tile, axis=1).astype(f32)
+        ckv_BKL = _key_tile(ckv_BSL, layer, start, tile).astype(f32)
         s_BQK = jax.lax.dot_general(q_lat_BQL, ckv_BKL, keys)
         if R:
-            kpe_BKR = jax.lax.dynamic_slice_in_dim(kpe_BSR, start, tile, axis=1).astype(f32)
+            kpe_BKR = _key_tile(kpe_BSR, layer, start, tile).astype(f32)
             s_BQK = s_BQK + jax.lax.dot_general(q_pe_BQR, kpe_BKR, keys)
         vis_BTK = _tile_visible(start, j, tile, q_pos_BT, kv_len_B)
         vis_BQK = jnp.broadcast_to(vis_BTK[:, None], (B, H, T, tile)).reshape(B, H * T, tile)
@@ -177,7 +194,7 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
         return m_new, l_BQ, acc_BQL
 
     n_tiles = (jnp.max(kv_len_B) + tile - 1) // tile
-    Q, L = H * T, ckv_BSL.shape[2]
+    Q, L = H * T, ckv_BSL.shape[-1]
     init = (jnp.full((B, Q), _NEG, f32), jnp.zeros((B, Q), f32), jnp.zeros((B, Q, L), f32))
     _, l_BQ, acc_BQL = jax.lax.fori_loop(0, n_tiles, body, init)
     o_lat_BHTL = (acc_BQL / jnp.where(l_BQ > 0, l_BQ, 1.0)[..., None]).reshape(B, H, T, L)

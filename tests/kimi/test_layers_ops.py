@@ -59,29 +59,39 @@ def test_mla_tiled_equals_one_pass(tile, form):
     got = jax.jit(tiled, static_argnames=("v_dim", "tile"))(
         q_nope, q_pe, ckv, kpe, w_kvb, q_pos, kv_len, v_dim=V, tile=tile)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # the same tiles read from entry 1 of a stacked [2, B, S, .] cache (the model's layout; entry 0 is other data)
+    got_stacked = jax.jit(tiled, static_argnames=("v_dim", "tile", "layer"))(
+        q_nope, q_pe, jnp.stack([-ckv, ckv]), jnp.stack([-kpe, kpe]), w_kvb, q_pos, kv_len, v_dim=V, tile=tile,
+        layer=1)
+    np.testing.assert_allclose(got_stacked, got, atol=1e-6, rtol=0)
 
 
 def test_long_cache_decode_and_verify_take_key_tiles(monkeypatch):
-    """The model's verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by 3 tiles of
-    14) gives the whole-cache logits, and decode (one pass either way) its own; the dispatch says which path."""
+    """The model's decode and verify with the key-tile threshold lowered (so a tiny cache of 40 positions goes by 3
+    tiles of 14) give the whole-cache logits; each has its own tile loop per MLA layer, and the tiled step reads its
+    tiles from the stacked cache where they lie: no op of the compiled step makes a [B, S, L] copy of one layer's
+    cache (the one-pass form does, which shows the check can fail)."""
     cfg = kimi.KimiConfig.tiny()
     model = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(3), (1, 30), 0, cfg.vocab_size)
     pre = model.forward(toks[:, :22], model.init_cache(1, 40), mode="prefill")
+    layer_copy = f"[1,40,{cfg.kv_lora_rank}]"  # one layer's c_kv, sliced out of the stacked [n_mla, 1, 40, L]
 
     def run():
         f = jax.jit(lambda c, t1, t8: (model.forward(t1, c, mode="decode").logits,
                                        model.forward(t8, c, mode="verify").logits))
         args = (pre.cache, toks[:, 22:23], toks[:, 22:30])
-        return f(*args), f.lower(*args).as_text().count("stablehlo.while")
+        lowered = f.lower(*args)
+        return f(*args), lowered.as_text().count("stablehlo.while"), layer_copy in lowered.compile().as_text()
 
-    whole, loops_whole = run()
+    whole, loops_whole, copies_whole = run()
     monkeypatch.setattr(dispatch, "MLA_ABSORBED_TILED_MIN_KEYS", 32)
     monkeypatch.setattr(dispatch, "MLA_ABSORBED_KEY_TILE", 16)
-    assert dispatch.mla_absorbed_key_tile(8, 40) == 14  # 3 equal tiles
-    assert dispatch.mla_absorbed_key_tile(8, 32) is None and dispatch.mla_absorbed_key_tile(1, 40) is None
-    tiled, loops_tiled = run()
-    assert loops_tiled == loops_whole + cfg.num_mla_layers  # a tile loop per MLA layer in the verify
+    assert dispatch.mla_absorbed_key_tile(40) == 14  # 3 equal tiles
+    assert dispatch.mla_absorbed_key_tile(32) is None
+    tiled, loops_tiled, copies_tiled = run()
+    assert loops_tiled == loops_whole + 2 * cfg.num_mla_layers  # a tile loop per MLA layer in decode and verify
+    assert copies_whole and not copies_tiled
     for w, t in zip(whole, tiled):
         np.testing.assert_allclose(t, w, atol=1e-4, rtol=0)
 
