@@ -15,7 +15,8 @@ path has a test against its reference.
   serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
   prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
-  MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE
+  MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE,
+                                       absorbed on CPU (MLA_PREFILL_TILED_FORM), unabsorbed elsewhere
   MLA decode      mla_absorbed_key_tile  decode and verify on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys:
                                        equal key tiles of at most MLA_ABSORBED_KEY_TILE; else one whole-cache pass
 """
@@ -175,15 +176,26 @@ def prefill_chunk(T: int, chunk: Optional[int] = None) -> Optional[int]:
 
 # --------------------------------------------------------------------------------------------------- MLA prefill
 # A prefill (or prefill chunk) over a cache of more keys than this attends key tile by key tile (online softmax,
-# kimi/ops/mla.py): its scores are [T, MLA_KEY_TILE] per head instead of [T, S], and the cache's empty tail is
-# skipped. Below it the whole-cache form is one fused pass (fewer, larger matmuls).
+# kimi/ops/mla.py): its scores are [T, tile] per head instead of [T, S], and the cache's empty tail is skipped.
+# Below it the whole-cache form is one fused pass (fewer, larger matmuls).
 MLA_TILED_MIN_KEYS = 8192
-MLA_KEY_TILE = 2048
+# Which form the tiles take, per backend (default "unabsorbed"), and their size. Unabsorbed (keys and values
+# expanded per head from each tile's latents) does the fewest flops, which is what an accelerator wants. On
+# XLA:CPU the time goes to the passes over the [H, T, tile] scores instead (mask, max, exp, sum: each from memory
+# for a 1024-token chunk), and the absorbed form's [H * T, tile] scores are cheaper to make and to read: one
+# layer's attention for a 1024-token chunk at 32K keys, unabsorbed by 2048 / 512 / 128 keys 2530 / 1932 / 1043 ms,
+# absorbed by 8192 / 2048 / 512 / 128 keys 798 / 568 / 463 / 562 ms (docs/performance.md).
+MLA_PREFILL_TILED_FORM = {"cpu": "absorbed"}
+MLA_KEY_TILE = {"unabsorbed": 2048, "absorbed": 512}
 
 
-def mla_key_tile(num_keys: int) -> Optional[int]:
-    """The key tile a prefill over a cache of ``num_keys`` positions uses (None: whole-cache scores)."""
-    return MLA_KEY_TILE if num_keys > MLA_TILED_MIN_KEYS else None
+def mla_key_tile(num_keys: int) -> Optional[tuple]:
+    """(form, tile): how a prefill over a cache of ``num_keys`` positions attends by key tiles, form "unabsorbed"
+    or "absorbed" (``MLA_PREFILL_TILED_FORM``); None: one whole-cache pass (unabsorbed)."""
+    if num_keys <= MLA_TILED_MIN_KEYS:
+        return None
+    form = MLA_PREFILL_TILED_FORM.get(jax.default_backend(), "unabsorbed")
+    return form, MLA_KEY_TILE[form]
 
 
 # --------------------------------------------------------------------------------------------------- MLA decode

@@ -351,8 +351,10 @@ class GatedMLA(nnx.Module):
             tile = dispatch.mla_absorbed_key_tile(S)
             o_BTHV = (mla_ops.mla_attend_absorbed_tiled(*stacked, tile=tile, layer=slot) if tile
                       else mla_ops.mla_attend_absorbed(*sliced))
-        elif tile := dispatch.mla_key_tile(S):
-            o_BTHV = mla_ops.mla_attend_tiled(*stacked, tile=tile, layer=slot)
+        elif tiles := dispatch.mla_key_tile(S):
+            form, tile = tiles
+            tiled = mla_ops.mla_attend_absorbed_tiled if form == "absorbed" else mla_ops.mla_attend_tiled
+            o_BTHV = tiled(*stacked, tile=tile, layer=slot)
         else:
             o_BTHV = mla_ops.mla_attend_unabsorbed(*sliced)
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)

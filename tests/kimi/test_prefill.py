@@ -48,12 +48,15 @@ def test_chunked_prefill_equals_one_pass(model, one_pass, chunk):
         np.testing.assert_allclose(last[b], ref.logits[b, n - 1], atol=1e-4, rtol=0)
 
 
-def test_chunked_prefill_with_key_tiles_equals_one_pass(model, one_pass, monkeypatch):
+@pytest.mark.parametrize("form", ["unabsorbed", "absorbed"])
+def test_chunked_prefill_with_key_tiles_equals_one_pass(model, one_pass, monkeypatch, form):
     """The long-context form: every chunk attends over the cache key tile by key tile (thresholds lowered so a
-    tiny cache takes that path), equal to the whole-cache one-pass prefill."""
+    tiny cache takes that path), in either form of the tiles, equal to the whole-cache one-pass prefill."""
     from kimi import dispatch
     monkeypatch.setattr(dispatch, "MLA_TILED_MIN_KEYS", 16)
-    monkeypatch.setattr(dispatch, "MLA_KEY_TILE", 12)
+    monkeypatch.setattr(dispatch, "MLA_PREFILL_TILED_FORM", {jax.default_backend(): form})
+    monkeypatch.setattr(dispatch, "MLA_KEY_TILE", {form: 12})
+    assert dispatch.mla_key_tile(80) == (form, 12)
     toks, valid, ref = one_pass
     logits, cache, _ = jax.jit(lambda t, c, v: prefill_chunked(model, t, c, chunk=16, valid_len_B=v,
                                                                all_logits=True))(toks, model.init_cache(2, 80), valid)
