@@ -4,17 +4,17 @@
   python scripts/bench_long.py --lengths 1024,8192 --json --plot long.png
   python scripts/bench_long.py --windows none,256,4096 --prefill-chunk 2048 --json
 
-The prompt of N tokens: ``[BOS]`` then the validation files (never trained on), each after a ``# file: NAME``
-line, in a seeded order, cut at N tokens; the generation continues the file the cut falls in, so the text after
-the prompt is a held-out file's real continuation. When the validation files hold fewer than N + max_new tokens,
-training files are put in front of them (``held_out_fraction`` says how much of the prompt is held out); the
-question at the end stays held out.
+The prompt of N tokens ends with the same question at every length: the middle of one held-out file (never
+trained on; the first in a seeded order long enough), so the generation continues the same real text whatever N
+is, and only the context in front of it grows. In front: the other validation files, each after a ``# file: NAME``
+line, in the seeded order, and training files in front of those when they run out (``held_out_fraction`` says
+how much of the prompt is held out); ``[BOS]`` first.
 
 Per length and drafter window: the prompt's prefill (``speculative.prefill_stream``: chunked as
 ``kimi.dispatch.prefill_chunk`` decides, or ``--prefill-chunk``), then DSpark's decode loop
 (``speculative.decode_loop``, greedy, EOS off, ``--max-new-tokens``) and, once per length, plain decoding's from a
-copy of the same target cache. From ``--share-prefill-from`` tokens on (default 65536: a 128K prefill takes half
-an hour on a 2-core CPU) the prompt is prefilled once, with the whole drafter context (window none first), and each
+copy of the same target cache. From ``--share-prefill-from`` tokens on (default 65536: a 128K prefill takes 4-5
+minutes on a 2-core CPU) the prompt is prefilled once, with the whole drafter context (window none first), and each
 later window's ring is cut from that context (``jdspark.drafter.ring_from_linear``: the same K/V; those entries
 have ``prefill_shared`` true and null prefill fields). Each phase is its own jitted program, compiled ahead
 (compile time excluded); the prefill runs once, each decode ``--repeats`` times from a copy of its stream (the
@@ -71,40 +71,48 @@ def _doc_ids(tokenizer, path, doc: bytes):
     return np.asarray(tokenizer.encode(f"# file: {os.path.basename(str(path))}\n{text}\n"), np.int32)
 
 
-def _stream_ids(tokenizer, split: str, seed: int, need: int, corpus=None) -> list:
-    """Documents of one split in a seeded order, as token-id arrays, until ``need`` tokens (all when fewer)."""
+def _docs_ids(tokenizer, split: str, seed: int, corpus=None, need=None):
+    """The documents of one split in a seeded order, as token-id arrays (until ``need`` tokens; all when None)."""
     files = jdata.list_files(corpus, split)
     order = np.random.default_rng(seed).permutation(len(files))
     out, total = [], 0
     for i in order:
+        if need is not None and total >= need:
+            break
         doc = files[i].read_bytes()
         ids = _doc_ids(tokenizer, files[i], doc) if doc else None
-        if ids is None:
-            continue
-        out.append(ids)
-        total += ids.size
-        if total >= need:
-            break
+        if ids is not None:
+            out.append(ids)
+            total += ids.size
     return out
 
 
 def long_prompt(tokenizer, n_tokens: int, max_new: int, *, seed: int = 0, corpus=None):
-    """(prompt ids [n_tokens], real continuation ids [max_new], held-out fraction of the prompt): ``[BOS]`` then
-    held-out files concatenated (training files in front when the held-out ones are too few), cut at n_tokens."""
-    need = n_tokens + max_new  # the BOS is one of the prompt's tokens
-    val = _stream_ids(tokenizer, "val", seed, need, corpus)
-    n_val = sum(v.size for v in val)
-    if n_val < max_new + 1:
-        raise ValueError(f"the validation files hold {n_val} tokens, fewer than a continuation of {max_new}")
-    front = _stream_ids(tokenizer, "train", seed, need - n_val, corpus) if n_val < need else []
-    ids = np.concatenate([[tokenizer.bos_id]] + front + val).astype(np.int32)
-    if ids.size < need + 1:
-        raise ValueError(f"the corpus holds {ids.size} tokens, fewer than a prompt of {n_tokens} + {max_new}")
-    if front:
-        ids = ids[-(need):]
-        ids[0] = tokenizer.bos_id
-    held = min(n_tokens, n_val - max_new) / n_tokens
-    return ids[:n_tokens], ids[n_tokens:n_tokens + max_new], float(held)
+    """(prompt ids [n_tokens], real continuation ids [max_new], held-out fraction of the prompt).
+
+    Every length asks the same question: the prompt ends in the middle of the same held-out file (the first, in
+    the seeded order, with at least 2 * max_new tokens; cut at its middle token, or earlier so max_new tokens
+    follow), so the continuation is the same real text at every length and only the context in front of it grows:
+    acceptance against context length compares like with like. In front of the cut: the rest of the held-out
+    files in the seeded order, then training files when those run out; ``[BOS]`` first."""
+    val = _docs_ids(tokenizer, "val", seed, corpus)
+    q = next((i for i, d in enumerate(val) if d.size >= 2 * max_new), None)
+    if q is None:
+        raise ValueError(f"no validation file holds {2 * max_new} tokens (a question and its {max_new}-token "
+                         f"continuation)")
+    doc = val[q]
+    cut = min(doc.size // 2, doc.size - max_new)
+    front = [doc[:cut]] + [d for i, d in enumerate(val) if i != q]  # nearest the question first
+    held_tokens = sum(d.size for d in front)
+    if held_tokens < n_tokens - 1:
+        front += _docs_ids(tokenizer, "train", seed, corpus, need=n_tokens - 1 - held_tokens)
+    before = np.concatenate(front[::-1])[-(n_tokens - 1):] if n_tokens > 1 else np.zeros(0, np.int32)
+    if before.size < n_tokens - 1:
+        raise ValueError(f"the corpus holds {before.size + 1} tokens before the question, fewer than a prompt of "
+                         f"{n_tokens}")
+    prompt = np.concatenate([[tokenizer.bos_id], before]).astype(np.int32)
+    held = min(n_tokens - 1, held_tokens) / max(n_tokens - 1, 1)  # of the prompt's text (the BOS is not text)
+    return prompt, doc[cut:cut + max_new].astype(np.int32), float(held)
 
 
 # ------------------------------------------------------------------------------------------------ memory

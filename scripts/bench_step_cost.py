@@ -20,7 +20,10 @@ What it reports per length, from those times alone (no generation is run):
                           plain decoding (block G);
   predicted_speedup       accept_len * decode / (verify_{G+1} + draft) for an accept_len measured at this length
                           (``--accept-from`` a ``bench_long.py`` JSON, its windowed row), beside that run's measured
-                          speedup: the cost model checked against a real run.
+                          speedup: the cost model checked against a real run;
+  prefill_tok_s_here      one prefill chunk (``--prefill-chunk`` tokens, 1024 by default) written after S cached
+                          positions: what a chunked prefill runs at that depth (a prompt of S tokens averages the
+                          depths up to S).
 On two CPU cores a verify's attention over a long latent cache scores H * W query rows against every key, so it
 grows faster with the context than a decode's (at 128K an 8-token verify is ~1.8 decode steps; docs/performance.md);
 on an accelerator a decode and a verify both read the cache once. One JSON line, last: ``{"backend",
@@ -54,6 +57,7 @@ from jdspark.drafter import with_context_window  # noqa: E402
 from jdspark.drafter import with_serving_layout as drafter_serving  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
 from jdspark.speculative import draft_block  # noqa: E402
+from kimi import dispatch  # noqa: E402
 from kimi.model import with_serving_layout  # noqa: E402
 
 DEFAULT_LENGTHS = (1024, 8192, 32768, 131072)
@@ -131,6 +135,31 @@ def pass_costs(target, drafter, block_ids, context: int, widths, window: int, *,
     return best
 
 
+def prefill_chunk_cost(target, chunk_ids, context: int, *, repeats: int) -> float:
+    """Seconds for one prefill chunk of ``len(chunk_ids)`` tokens written after ``context`` cached positions (the
+    pass a chunked prefill runs at that depth, ``kimi.prefill``): prefill tok/s there is chunk / seconds. The
+    cache is donated and handed back with its length unchanged, as for the step's passes."""
+    served_t = with_serving_layout(target)
+    gt, st = nnx.split(served_t)
+    toks = jnp.asarray(np.asarray(chunk_ids, np.int32))[None]
+
+    def chunk(s, c, t):
+        out = nnx.merge(gt, s).forward(t, c, mode="prefill")
+        return out.logits[:, -1], dataclasses.replace(out.cache, length=c.length)
+
+    f = jax.jit(chunk, donate_argnums=(1,))
+    cache = target_cache(served_t, context, toks.shape[1])
+    r, cache = f(st, cache, toks)
+    jax.block_until_ready(r)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r, cache = f(st, cache, toks)
+        jax.block_until_ready(r)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def summarize(context: int, secs: dict, widths, window: int, block_size: int, measured=None) -> dict:
     """The JSON entry of one length: milliseconds, ratios to a decode step, ceilings (see the module docstring)."""
     dec, draft = secs["decode"], secs[f"draft_{window}"]
@@ -140,6 +169,9 @@ def summarize(context: int, secs: dict, widths, window: int, block_size: int, me
            "draft_ms": {"none": ms(secs["draft_none"]), str(window): ms(draft)},
            "verify_over_decode": {str(W): round(secs[f"verify_{W}"] / dec, 3) for W in widths},
            "speedup_ceiling": {str(W): round(W * dec / (secs[f"verify_{W}"] + draft), 3) for W in widths}}
+    if "prefill_chunk" in secs:
+        row["prefill_chunk_ms"] = ms(secs["prefill_chunk"])
+        row["prefill_tok_s_here"] = round(secs["prefill_chunk_tokens"] / secs["prefill_chunk"], 1)
     if W_full in widths:
         step = secs[f"verify_{W_full}"] + draft
         row["breakeven_accept_len"] = round(step / dec, 3)
@@ -178,12 +210,16 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="calls per timed round")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (the fastest counts)")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=gen.DEFAULT_SERVING_DTYPE)
+    ap.add_argument("--prefill-chunk", type=int, default=dispatch.PREFILL_CHUNK_TOKENS,
+                    help="also time one prefill chunk of this many tokens at each length (0: do not)")
     ap.add_argument("--accept-from", action="append", default=[],
                     help="a bench_long.py JSON (repeatable): predict its windowed rows' speedup")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if a.window < 1 or a.iters < 1 or a.repeats < 1:
         ap.error("--window, --iters and --repeats must be positive")
+    if a.prefill_chunk < 0:
+        ap.error(f"--prefill-chunk: expected 0 (off) or a positive number of tokens, got {a.prefill_chunk}")
     target, drafter, note = gen.load_pair(a.checkpoint, a.serving_dtype)
     if drafter is None:
         raise SystemExit(f"bench_step_cost: {a.checkpoint} has no drafter/")
@@ -201,11 +237,17 @@ def main(argv=None) -> int:
     for S in a.lengths:
         t0 = time.perf_counter()
         secs = pass_costs(target, drafter, block_ids, S, a.widths, a.window, iters=a.iters, repeats=a.repeats)
+        if a.prefill_chunk:
+            chunk_ids = jdata.prompts_from_documents(workloads.documents("code"), 1, a.prefill_chunk, seed=0,
+                                                     tokenizer=tokenizer)[0]
+            secs["prefill_chunk"] = prefill_chunk_cost(target, chunk_ids, S, repeats=a.repeats)
+            secs["prefill_chunk_tokens"] = a.prefill_chunk
         row = summarize(S, secs, a.widths, a.window, G, measured.get(S))
         result["lengths"].append(row)
         print(f"[step_cost] {S:>7} positions: decode {row['decode_ms']} ms, verify {row['verify_ms']} ms, draft "
               f"{row['draft_ms']} ms; verify/decode {row['verify_over_decode']}; ceiling {row['speedup_ceiling']}"
-              f"{'; predicted ' + str(row['predicted_speedup']) if 'predicted_speedup' in row else ''} "
+              f"{'; predicted ' + str(row['predicted_speedup']) if 'predicted_speedup' in row else ''}"
+              f"{'; prefill ' + str(row['prefill_tok_s_here']) + ' tok/s here' if 'prefill_chunk_ms' in row else ''} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if a.json:
         print(json.dumps(result, separators=(",", ":")))

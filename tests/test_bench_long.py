@@ -59,12 +59,35 @@ def test_plot(result, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_long_prompt_is_held_out_text():
+def test_long_prompt_asks_the_same_held_out_question_at_every_length(tmp_path):
+    """Every length ends at the same point of the same held-out file and has the same continuation (the file's
+    real text); a longer prompt's tail is the shorter prompt; held-out files come first, training files in front
+    of them once they run out (held_out_fraction below 1)."""
     tok = ByteTokenizer()
-    prompt, cont, held = bench_long.long_prompt(tok, 3000, 64)
-    assert prompt.shape == (3000,) and cont.shape == (64,) and prompt[0] == tok.bos_id and held == 1.0
-    text = bytes(prompt[1:].astype(np.uint8))
-    assert text.startswith(b"# file: ") and text.count(b"# file: ") >= 1
+    want = {"val": 3, "train": 4}
+    for k in range(100000):  # the corpus splits by a hash of the file's name: names that land in each split
+        name = f"mod{k}.py"
+        split = jdspark.data.split_of(name, jdspark.data.VAL_FRACTION)
+        if want[split]:
+            want[split] -= 1
+            (tmp_path / name).write_text("".join(f"{split}_{k} = {j}  # line {j}\n" for j in range(40)))
+        if not any(want.values()):
+            break
+    files = {p.name for p in jdspark.data.list_files(tmp_path, "val")}
+    assert len(files) == 3
+    small, cont_small, held_small = bench_long.long_prompt(tok, 300, 64, corpus=tmp_path)
+    big, cont_big, held_big = bench_long.long_prompt(tok, 5000, 64, corpus=tmp_path)
+    assert small.shape == (300,) and big.shape == (5000,) and small[0] == big[0] == tok.bos_id
+    np.testing.assert_array_equal(cont_small, cont_big)
+    np.testing.assert_array_equal(small[1:], big[-299:])
+    text = bytes(big[1:].astype(np.uint8)) + bytes(cont_big.astype(np.uint8))
+    header, body = text[text.rfind(b"# file: "):].split(b"\n", 1)  # the file the prompt ends in
+    name = header[len(b"# file: "):].decode()
+    assert name in files  # held out
+    real = (tmp_path / name).read_bytes()
+    assert real.startswith(body) and len(body) < len(real)  # its own text up to its middle, then its continuation
+    assert held_small == 1.0 and 0 < held_big < 1
+    assert b"train_" in bytes(big.astype(np.uint8)) and b"train_" not in bytes(small.astype(np.uint8))
 
 
 def test_divergence_finds_the_first_differing_token_and_plain_decodings_logits_there():

@@ -32,7 +32,10 @@ def test_pass_costs_and_the_figures_derived_from_them(tmp_path):
                                              "speedup": 0.5}]}) + "\n")
     measured = bench_step_cost.measured_rows(str(path), 8)
     assert measured[40]["accept_len"] == 2.5
+    secs["prefill_chunk"] = bench_step_cost.prefill_chunk_cost(target, block, 40, repeats=1)
+    secs["prefill_chunk_tokens"] = len(block)
     row = bench_step_cost.summarize(40, secs, (2, 4), 8, 3, measured[40])
+    assert row["prefill_tok_s_here"] == pytest.approx(len(block) / secs["prefill_chunk"], rel=1e-2)
     step = secs["verify_4"] + secs["draft_8"]
     assert row["speedup_ceiling"]["4"] == pytest.approx(4 * secs["decode"] / step, rel=1e-3)
     assert row["breakeven_accept_len"] == pytest.approx(step / secs["decode"], rel=1e-3)
