@@ -4,6 +4,7 @@ and the speedup over plain decoding measured in the same run.
   python scripts/generate.py --prompt "def fibonacci(n):"            # DSpark on
   python scripts/generate.py --prompt "..." --no-draft               # plain decoding
   python scripts/generate.py --demo                                  # the code prompt `make demo` uses
+  python scripts/generate.py --prompt-file long.py --drafter-window 1024   # a long prompt (chunked prefill)
 """
 
 from __future__ import annotations
@@ -107,9 +108,26 @@ def with_images(ids, paths, cfg, ckpt):
     return np.array(image_lib.expand_placeholders(ids, vin.grid_thw, cfg.vision), np.int32), vin
 
 
+_CHECKPOINT = object()  # --drafter-window not given: the checkpoint's own (argparse converts only str defaults)
+
+
+def _window(s: str):
+    """--drafter-window: a positive int, or "none" (the drafter's whole context)."""
+    if s.lower() == "none":
+        return None
+    try:
+        w = int(s)
+    except ValueError:
+        w = 0
+    if w < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of positions or 'none', got {s!r}")
+    return w
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", help="prompt text")
+    ap.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from a UTF-8 file (a long prompt)")
     ap.add_argument("--demo", action="store_true", help="use the built-in code prompt")
     ap.add_argument("--checkpoint", default=DEFAULT_DIR, help="folder with target/ and drafter/")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -118,6 +136,11 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-draft", action="store_true", help="plain decoding only")
+    ap.add_argument("--drafter-window", type=_window, default=_CHECKPOINT, metavar="N|none",
+                    help="the drafter reads only the last N context positions, from a ring buffer (its memory and "
+                         "draft cost stop growing with the context; lossless either way); none: all of them; "
+                         "default: the checkpoint's. Past ~1K tokens of context the shipped drafter accepts more "
+                         "with N = 1024 (docs/performance.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side timing")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each mode, interleaved (the fastest "
                     "counts)")
@@ -130,8 +153,14 @@ def main(argv=None) -> int:
                          "after BOS, expanded to its merged patches")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
-    if a.prompt is None and not a.demo:
-        ap.error("give --prompt TEXT or --demo")
+    if sum(x is not None for x in (a.prompt, a.prompt_file)) + bool(a.demo) != 1:
+        ap.error("give one of --prompt TEXT, --prompt-file PATH or --demo")
+    if a.prompt_file is not None:
+        try:
+            with open(a.prompt_file, encoding="utf-8") as f:
+                a.prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            ap.error(f"--prompt-file {a.prompt_file}: expected a readable UTF-8 text file ({e})")
     if a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--max-new-tokens and --repeats must be >= 1")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
@@ -142,6 +171,8 @@ def main(argv=None) -> int:
     print(f"[jdspark] {note}", file=sys.stderr)
     if a.no_draft:
         drafter = None
+    elif drafter is not None and a.drafter_window is not _CHECKPOINT:
+        drafter = jdspark.drafter.with_context_window(drafter, a.drafter_window)
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
@@ -186,7 +217,8 @@ def main(argv=None) -> int:
         lines.append(f"plain decoding {result['ar_tok_s']:.1f} tok/s")
     if "spec_tok_s" in result:
         lines.append(f"DSpark {result['spec_tok_s']:.1f} tok/s  ->  speedup {result['speedup']:.2f}x "
-                     f"(measured side by side, compile excluded)")
+                     f"(measured side by side, compile excluded, "
+                     f"the prompt's prefill included)")
     print("\n".join("[jdspark] " + ln for ln in lines), file=sys.stderr)
     if a.json:
         print(json.dumps(result, separators=(",", ":")))
