@@ -304,3 +304,59 @@ def test_rows_that_never_draft_step_without_the_drafter(pair, backend):
     finally:
         be.free(1)
         be.free(2)
+
+
+def test_a_windowed_drafter_serves_what_batch_one_generate_makes(pair, backend):
+    """The drafter reading a ring of 8 context positions (``with_context_window``: the ring wraps several times in
+    a slot of 128) serves, under the slots' vmap, what batch-1 generate with the same windowed drafter makes,
+    token for token, with the same acceptance where both verify whole blocks: greedy requests in fixed and adaptive
+    mode and one that never drafts, 2 slots. A slot's ring holds what the whole context holds of its last 8
+    positions: the same stream stepped in the module's whole-context backend, rearranged (``ring_from_linear``)."""
+    from jdspark.drafter import DrafterCache, ring_from_linear, with_context_window
+
+    target, drafter, tok = pair
+    ring = with_context_window(drafter, 8)
+    G = ring.config.block_size
+    be = SlotBackend(target, ring, num_slots=2, max_len=128, prompt_buckets=(64,), batch_buckets=(2,),
+                     adaptive=True, widths=(1, G + 1))
+    assert be.state.dcache.k.shape[-1] == 8 and be.state.dcache.v.shape[-2] == 8
+    be.costs = monotone_costs({(2, 1): 1.0, (2, G + 1): 1.5})
+    eng = Engine(be, tok, eos_token_id=target.config.eos_token_id, max_waiting=8).start()
+    prompts = _prompts(5, 60, target.config.vocab_size)
+    reqs = []
+    try:
+        for i, p in enumerate(prompts):
+            sp = SamplingRequest(tuple(int(x) for x in p[:30 + 6 * i]), MAX_NEW - 3 * i, seed=i,
+                                 speculative=i != 4, spec_mode="adaptive" if i % 2 else "fixed")
+            reqs.append(eng.submit(Request(sp, lambda ev: None)))
+        deadline = time.time() + 600
+        while not all(r.finished for r in reqs):
+            assert time.time() < deadline and eng.error is None, eng.error
+            time.sleep(0.05)
+    finally:
+        eng.shutdown()
+    for r in reqs:
+        sp = r.sampling
+        kw = dict(max_new_tokens=sp.max_tokens, seed=sp.seed)
+        ref = jdspark.generate(target, ring, np.array(sp.prompt_ids), **kw)
+        assert r.output_ids == list(ref.tokens), (sp, r.output_ids, ref.tokens)
+        if sp.speculative and sp.spec_mode == "fixed":
+            # the same drafts as generate's windowed drafter (whole blocks verified both ways): the same acceptance;
+            # greedy tokens alone would match whatever the drafter read (lossless)
+            u = r.usage()
+            assert (u["drafted"], u["accepted"]) == (int(ref.stats.drafted), int(ref.stats.accepted)), (u, ref.stats)
+    ids = tuple(int(x) for x in prompts[0][:40])
+    for b in (be, backend):
+        b.insert(0, SamplingRequest(ids, 30, spec_mode="fixed"))
+    try:
+        for _ in range(3):
+            for b in (be, backend):
+                b.step([0], width=G + 1)
+        assert _lengths(be, 0) == _lengths(backend, 0) and _lengths(be, 0)[1] > 8
+        d = backend.state.dcache
+        want = ring_from_linear(DrafterCache(d.k[0], d.v[0], d.length[0]), 8)
+        np.testing.assert_allclose(be.state.dcache.k[0], want.k, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(be.state.dcache.v[0], want.v, atol=1e-5, rtol=0)
+    finally:
+        be.free(0)
+        backend.free(0)
