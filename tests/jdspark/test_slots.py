@@ -47,6 +47,14 @@ def _prompts(n: int, length: int, vocab: int) -> list:
     return [np.concatenate([[1], rng.integers(3, vocab, length - 1)]).astype(np.int32) for _ in range(n)]
 
 
+def _wait_until_finished(eng, reqs, seconds: float) -> None:
+    """Poll until every request has finished; fail on the engine's error or after ``seconds``."""
+    deadline = time.time() + seconds
+    while not all(r.finished for r in reqs):
+        assert time.time() < deadline and eng.error is None, eng.error
+        time.sleep(0.05)
+
+
 def test_buckets():
     assert buckets_up_to(16) == (1, 2, 4, 8, 16) and buckets_up_to(6) == (1, 2, 4, 6) and buckets_up_to(1) == (1,)
 
@@ -81,10 +89,7 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
                                  seed=i, speculative=i % 4 != 3, spec_mode=mode, **st)
             reqs.append(eng.submit(Request(sp, lambda ev: None)))
             time.sleep(0.02 * (i % 3))  # arrivals spread over the others' steps
-        deadline = time.time() + 900
-        while not all(r.finished for r in reqs):
-            assert time.time() < deadline and eng.error is None, eng.error
-            time.sleep(0.05)
+        _wait_until_finished(eng, reqs, 900)
     finally:
         eng.shutdown()
     assert [r.finished for r in reqs] == ["length" if len(r.output_ids) == r.sampling.max_tokens else "stop"
@@ -329,10 +334,7 @@ def test_a_windowed_drafter_serves_what_batch_one_generate_makes(pair, backend):
             sp = SamplingRequest(tuple(int(x) for x in p[:30 + 6 * i]), MAX_NEW - 3 * i, seed=i,
                                  speculative=i != 4, spec_mode="adaptive" if i % 2 else "fixed")
             reqs.append(eng.submit(Request(sp, lambda ev: None)))
-        deadline = time.time() + 600
-        while not all(r.finished for r in reqs):
-            assert time.time() < deadline and eng.error is None, eng.error
-            time.sleep(0.05)
+        _wait_until_finished(eng, reqs, 600)
     finally:
         eng.shutdown()
     for r in reqs:
