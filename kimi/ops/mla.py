@@ -129,7 +129,9 @@ def mla_attend_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP, q_pos_B
 
     Tiles start at j * tile; the last one is shifted back to end at S (a ``dynamic_slice`` stays in bounds) and
     keys an earlier tile already covered are masked out of it. The loop runs ceil(max(kv_len) / tile) tiles (a
-    ``fori_loop`` with a traced trip count): peak memory is one tile's keys, values and [B, H, T, tile] scores."""
+    ``fori_loop`` with a traced trip count): peak memory is one tile's keys, values and [B, H, T, tile] scores.
+    With ``layer`` (static) ``ckv``/``kpe`` are stacked [n_layers, B, S, .] caches and entry ``layer`` is read, tile by
+    tile where it lies (``_key_tile``)."""
     B, T, H, N = q_nope_BTHN.shape
     R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[-2], jnp.float32
     if tile >= S:
@@ -167,7 +169,8 @@ def mla_attend_absorbed_tiled(q_nope_BTHN, q_pe_BTHR, ckv_BSL, kpe_BSR, w_kvb_LP
     Per tile j (keys [start, start + tile), start = min(j * tile, S - tile); keys below j * tile belong to an
     earlier tile and are masked here): s = q_lat . c_kv + q_pe . k_pe (scale folded into the queries), then
     m' = max(m, max_k s), acc = acc e^(m - m') + sum_k e^(s - m') c_kv[k], l = l e^(m - m') + sum_k e^(s - m');
-    o_lat = acc / l and o = W_uv o_lat. ceil(max(kv_len) / tile) tiles run (the cache's empty tail is skipped)."""
+    o_lat = acc / l and o = W_uv o_lat. ceil(max(kv_len) / tile) tiles run (the cache's empty tail is skipped).
+    With ``layer`` (static) ``ckv``/``kpe`` are stacked [n_layers, B, S, .] caches, read as in ``mla_attend_tiled``."""
     B, T, H, N = q_nope_BTHN.shape
     R, S, f32 = q_pe_BTHR.shape[-1], ckv_BSL.shape[-2], jnp.float32
     if tile >= S:
