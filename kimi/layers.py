@@ -345,18 +345,15 @@ class GatedMLA(nnx.Module):
         rest = (self.kv_b_proj.kernel[...], pos_BT, length_B + T, cfg.v_head_dim)
         # a tiled form reads its key tiles from the stacked arrays where they lie (``mla_ops._key_tile``); the
         # one-pass forms take this layer's slice (a copy of it: short caches only)
-        stacked = (q_nope, q_pe, ckv_NBSL, kpe_NBSR) + rest
-        sliced = (q_nope, q_pe, ckv_NBSL[slot], kpe_NBSR[slot]) + rest
-        if absorbed:
-            tile = dispatch.mla_absorbed_key_tile(S)
-            o_BTHV = (mla_ops.mla_attend_absorbed_tiled(*stacked, tile=tile, layer=slot) if tile
-                      else mla_ops.mla_attend_absorbed(*sliced))
-        elif tiles := dispatch.mla_key_tile(S):
+        tiles = (("absorbed", t) if (t := dispatch.mla_absorbed_key_tile(S)) else None) if absorbed \
+            else dispatch.mla_key_tile(S)
+        if tiles:
             form, tile = tiles
             tiled = mla_ops.mla_attend_absorbed_tiled if form == "absorbed" else mla_ops.mla_attend_tiled
-            o_BTHV = tiled(*stacked, tile=tile, layer=slot)
+            o_BTHV = tiled(q_nope, q_pe, ckv_NBSL, kpe_NBSR, *rest, tile=tile, layer=slot)
         else:
-            o_BTHV = mla_ops.mla_attend_unabsorbed(*sliced)
+            one_pass = mla_ops.mla_attend_absorbed if absorbed else mla_ops.mla_attend_unabsorbed
+            o_BTHV = one_pass(q_nope, q_pe, ckv_NBSL[slot], kpe_NBSR[slot], *rest)
         o = o_BTHV.reshape(B, T, H * cfg.v_head_dim)
         if cfg.mla_use_output_gate:
             o = o * jax.nn.sigmoid(gate_in[0].astype(jnp.float32))

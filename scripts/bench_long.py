@@ -330,7 +330,7 @@ def _ints(s: str) -> tuple:
 
 
 def _windows(s: str) -> tuple:
-    return tuple(None if x.lower() == "none" else int(x) for x in s.split(",") if x)
+    return tuple(gen.parse_window(x) for x in s.split(",") if x)
 
 
 def main(argv=None) -> int:

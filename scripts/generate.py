@@ -111,8 +111,8 @@ def with_images(ids, paths, cfg, ckpt):
 _CHECKPOINT = object()  # --drafter-window not given: the checkpoint's own (argparse converts only str defaults)
 
 
-def _window(s: str):
-    """--drafter-window: a positive int, or "none" (the drafter's whole context)."""
+def parse_window(s: str):
+    """A drafter context window from the command line: a positive int, or "none" (the whole context)."""
     if s.lower() == "none":
         return None
     try:
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-draft", action="store_true", help="plain decoding only")
-    ap.add_argument("--drafter-window", type=_window, default=_CHECKPOINT, metavar="N|none",
+    ap.add_argument("--drafter-window", type=parse_window, default=_CHECKPOINT, metavar="N|none",
                     help="the drafter reads only the last N context positions, from a ring buffer (its memory and "
                          "draft cost stop growing with the context; lossless either way); none: all of them; "
                          "default: the checkpoint's. Past ~1K tokens of context the shipped drafter accepts more "
