@@ -331,7 +331,8 @@ def test_a_windowed_drafter_serves_what_batch_one_generate_makes(pair, backend):
     reqs = []
     try:
         for i, p in enumerate(prompts):
-            sp = SamplingRequest(tuple(int(x) for x in p[:30 + 6 * i]), MAX_NEW - 3 * i, seed=i,
+            n_new = MAX_NEW if i % 2 == 0 else MAX_NEW - 3 * i  # fixed-mode rows whole: their stats compare
+            sp = SamplingRequest(tuple(int(x) for x in p[:30 + 6 * i]), n_new, seed=i,
                                  speculative=i != 4, spec_mode="adaptive" if i % 2 else "fixed")
             reqs.append(eng.submit(Request(sp, lambda ev: None)))
         _wait_until_finished(eng, reqs, 600)
@@ -339,10 +340,11 @@ def test_a_windowed_drafter_serves_what_batch_one_generate_makes(pair, backend):
         eng.shutdown()
     for r in reqs:
         sp = r.sampling
-        kw = dict(max_new_tokens=sp.max_tokens, seed=sp.seed)
-        ref = jdspark.generate(target, ring, np.array(sp.prompt_ids), **kw)
-        assert r.output_ids == list(ref.tokens), (sp, r.output_ids, ref.tokens)
+        # one max_new_tokens for every reference: one generate program compiled, not one per length
+        ref = jdspark.generate(target, ring, np.array(sp.prompt_ids), max_new_tokens=MAX_NEW, seed=sp.seed)
+        assert r.output_ids == list(ref.tokens[:sp.max_tokens]), (sp, r.output_ids, ref.tokens)
         if sp.speculative and sp.spec_mode == "fixed":
+            assert sp.max_tokens == MAX_NEW
             # the same drafts as generate's windowed drafter (whole blocks verified both ways): the same acceptance;
             # greedy tokens alone would match whatever the drafter read (lossless)
             u = r.usage()
