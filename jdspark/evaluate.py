@@ -9,6 +9,8 @@ with ``bytes`` from ``jdspark.data.byte_lengths`` (special ids count as one byte
 ``token_nll`` is the loss the target trainer minimises; ``bits_per_byte`` evaluates a model on fixed batches.
 ``served_acceptance``: tokens per target step of ``jdspark.generate`` on held-out prompts, greedy and sampled (the
 number a drafter is trained for, measured on the serving path rather than teacher-forced).
+``accept_len_interval``: how far that pooled figure can be trusted when it comes from a handful of prompts (a
+percentile bootstrap over prompts: acceptance moves far more between prompts than between tokens of one prompt).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from flax import nnx
 from jdspark.speculative import generate
 from kimi.cache import KimiCache
 
-__all__ = ["token_nll", "bits_per_byte", "served_acceptance"]
+__all__ = ["token_nll", "bits_per_byte", "served_acceptance", "accept_len_interval"]
 
 
 def token_nll(logits_BTV, tokens_BT1, doc_ids_BT1):
@@ -82,3 +84,28 @@ def served_acceptance(target, drafter, prompts: Sequence, max_new_tokens: int, t
         out[f"T={float(temp):g}"] = {"accept_len": (accepted + steps) / steps, "target_steps": steps,
                                     "per_position_accept": (counts / steps).tolist()}
     return out
+
+
+def accept_len_interval(steps_N: Sequence[int], accepted_N: Sequence[int], level: float = 0.95,
+                        resamples: int = 2000, seed: int = 0) -> list:
+    """A ``level`` percentile-bootstrap interval [lo, hi] of the pooled tokens per target step over N prompts,
+
+        accept_len = (sum_i accepted_i + sum_i steps_i) / sum_i steps_i,
+
+    resampling whole prompts with replacement (prompt i took ``steps_N[i]`` target steps and accepted
+    ``accepted_N[i]`` drafts): the tokens of one generation are not independent, the prompts are. Seeded, so a
+    report is reproducible. With few prompts the interval is wide, and percentile intervals of small samples cover a
+    little less than ``level`` (tests/jdspark/test_evaluate.py measures it)."""
+    steps = np.asarray(steps_N, np.float64)
+    acc = np.asarray(accepted_N, np.float64)
+    if steps.ndim != 1 or steps.shape != acc.shape or steps.size == 0:
+        raise ValueError(f"accept_len_interval: expected two equal-length 1-D sequences, got shapes {steps.shape} "
+                         f"and {acc.shape}")
+    if np.any(steps < 1) or np.any(acc < 0):
+        raise ValueError("accept_len_interval: every prompt needs steps >= 1 and accepted >= 0")
+    if not 0 < level < 1 or resamples < 1:
+        raise ValueError(f"accept_len_interval: expected 0 < level < 1 and resamples >= 1, got {level}, {resamples}")
+    idx = np.random.default_rng(seed).integers(0, steps.size, (resamples, steps.size))
+    s, a = steps[idx].sum(1), acc[idx].sum(1)
+    lo, hi = np.quantile((a + s) / s, [(1 - level) / 2, (1 + level) / 2])
+    return [float(lo), float(hi)]

@@ -6,18 +6,18 @@
 
 Batch 1, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes run the
 same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts). Each
-workload has two rows: ``greedy`` and ``sampled`` (temperature ``--temperature`` 1, top-p ``--top-p`` 0.95, one
-fixed seed per prompt, the same seed for plain decoding and DSpark). Throughput is of the decode phase (each
-prompt's prefill, timed alone, is subtracted); end-to-end figures are reported beside it (``e2e_*``). A row holds
-tokens/s of each mode, the speedup, accept_len (tokens per target step), per-position acceptance, and how
-degenerate the plain output is (``run_share``, ``distinct8``, ``repeat_lines``: jdspark.textstats) next to the
-same figures of the real continuation of each prompt in its file, cut to the same length in bytes
-(``reference``): acceptance is only worth reading on text that looks like real output. The cost model's
-prediction from the measured acceptance: tokens per step over (v + r), with r = the measured drafter pass over
-the measured plain decode step and v = the measured verify pass over a decode step (``predicted_speedup``), and
+workload has two rows: ``greedy`` and ``sampled`` (temperature ``--temperature`` 1, top-p ``--top-p`` 0.95, one fixed
+seed per prompt, the same seed for plain decoding and DSpark). Throughput is of the decode phase (each prompt's
+prefill, timed alone, is subtracted); end-to-end figures are reported beside it (``e2e_*``). A row holds tokens/s of
+each mode, the speedup, accept_len (tokens per target step; per prompt, and a 95% bootstrap interval over the prompts,
+``accept_len_ci95``), per-position acceptance, and how degenerate the plain output is (``run_share``, ``distinct8``,
+``repeat_lines``: jdspark.textstats) next to the same figures of the real continuation of each prompt in its file, cut
+to the same length in bytes (``reference``): acceptance is only worth reading on text that looks like real output. The
+cost model's prediction from the measured acceptance: tokens per step over (v + r), with r = the measured drafter pass
+over the measured plain decode step and v = the measured verify pass over a decode step (``predicted_speedup``), and
 with v = 1 as seed 000 assumes for a memory-bound accelerator (``predicted_speedup_verify_as_one_step``).
-``bits_per_byte``: the target on the held-out split of its training corpus. The top-level fields describe the
-code workload's greedy row (or the ``--corpus`` directory's).
+``bits_per_byte``: the target on the held-out split of its training corpus. The top-level fields describe the code
+workload's greedy row (or the ``--corpus`` directory's).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ import jdspark  # noqa: E402
 from jdspark import costmodel, textstats, workloads  # noqa: E402
 from jdspark import data as jdata  # noqa: E402
 from jdspark.drafter import with_serving_layout as drafter_serving  # noqa: E402
-from jdspark.evaluate import bits_per_byte  # noqa: E402
+from jdspark.evaluate import accept_len_interval, bits_per_byte  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
 from jdspark.speculative import draft_block  # noqa: E402
 from kimi.model import with_serving_layout  # noqa: E402
@@ -116,7 +116,7 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
         jdspark.generate(target, d, prompts[0], max_new_tokens=1, seed=seeds[0], **kw)
     t = {"ar": 0.0, "spec": 0.0, "ar_pre": 0.0, "spec_pre": 0.0}
     n_new = steps = accepted = mismatches = 0
-    counts, outputs = None, []
+    counts, outputs, steps_N, accepted_N = None, [], [], []
     for p, seed in zip(prompts, seeds):
         best = {k: float("inf") for k in t}
         for _ in range(repeats):
@@ -133,8 +133,10 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
             t[k] += best[k]
         n_new += max_new - 1  # tokens after the first (which the prefill yields)
         mismatches += int(not np.array_equal(ar_tokens, sp.tokens))
-        steps += int(sp.stats.target_steps)
-        accepted += int(sp.stats.accepted)
+        steps_N.append(int(sp.stats.target_steps))
+        accepted_N.append(int(sp.stats.accepted))
+        steps += steps_N[-1]
+        accepted += accepted_N[-1]
         c = np.asarray(sp.stats.accept_counts, np.int64)
         counts = c if counts is None else counts + c
         outputs.append(np.asarray(ar_tokens))
@@ -143,6 +145,8 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
     row = {"prompts": len(prompts), "new_tokens": max_new, "repeats": repeats, "temperature": temperature,
            "top_p": top_p, "ar_tok_s": n_new / ar_dec, "spec_tok_s": n_new / sp_dec, "speedup": ar_dec / sp_dec,
            "accept_len": (accepted + steps) / steps, "per_position_accept": (counts / steps).tolist(),
+           "accept_len_per_prompt": [(a + s) / s for s, a in zip(steps_N, accepted_N)],
+           "accept_len_ci95": accept_len_interval(steps_N, accepted_N),
            "e2e_ar_tok_s": total / t["ar"], "e2e_spec_tok_s": total / t["spec"], "e2e_speedup": t["ar"] / t["spec"],
            "loop_step_over_decode_step": (sp_dec / steps) / (ar_dec / n_new), "ar_step_s": ar_dec / n_new,
            "_outputs": outputs}
@@ -218,7 +222,8 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, help="folder with target/ and drafter/ (default: the shipped one)")
     ap.add_argument("--corpus", help="measure prompts cut from the text files under this directory instead")
     ap.add_argument("--workloads", nargs="+", default=["code", "structured", "prose"])
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per workload")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (acceptance moves far more between "
+                    "prompts than within one: each row reports accept_len_ci95 over its prompts)")
     ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (BOS included)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per (prompt, mode), interleaved; the "
@@ -272,7 +277,8 @@ def main(argv=None) -> int:
             r["predicted_speedup_verify_as_one_step"] = costmodel.speedup_from_per_position(
                 r["per_position_accept"], r["r_draft_over_step"])
             result["workloads"][name][mode] = r
-            print(f"[bench] {name:10s} {mode:7s} accept_len {r['accept_len']:.2f}  AR {r['ar_tok_s']:.1f} tok/s  "
+            print(f"[bench] {name:10s} {mode:7s} accept_len {r['accept_len']:.2f} (95% over prompts "
+                  f"{r['accept_len_ci95'][0]:.2f}-{r['accept_len_ci95'][1]:.2f})  AR {r['ar_tok_s']:.1f} tok/s  "
                   f"DSpark {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  plain output: run_share "
                   f"{r['run_share']:.2f} distinct8 {r['distinct8']:.2f} repeat_lines {r['repeat_lines']:.2f} "
                   f"(real text: {r['reference']['run_share']:.2f} / {r['reference']['distinct8']:.2f} / "
@@ -280,7 +286,8 @@ def main(argv=None) -> int:
                   f"measured verify = {r['v_verify_over_step']:.2f} decode steps, a whole DSpark step costs "
                   f"{r['loop_step_over_decode_step']:.2f}", file=sys.stderr)
     top = result["workloads"]["corpus" if a.corpus else ("code" if "code" in sources else next(iter(sources)))]
-    for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "per_position_accept", "predicted_speedup"):
+    for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "accept_len_ci95", "per_position_accept",
+              "predicted_speedup"):
         result[k] = top["greedy"][k]
     if a.plot:
         plot(result, a.plot)
