@@ -52,7 +52,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jdspark import data as jdata  # noqa: E402
-from jdspark.drafter import ring_from_linear, with_context_window  # noqa: E402
+from jdspark.drafter import parse_context_window, ring_from_linear, with_context_window  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
 from jdspark.speculative import Stream, cache_positions, decode_loop, prefill_stream, serving_pair  # noqa: E402
 from kimi import dispatch  # noqa: E402
@@ -330,7 +330,7 @@ def _ints(s: str) -> tuple:
 
 
 def _windows(s: str) -> tuple:
-    return tuple(gen.parse_window(x) for x in s.split(",") if x)
+    return tuple(parse_context_window(x) for x in s.split(",") if x)
 
 
 def main(argv=None) -> int:

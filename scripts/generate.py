@@ -111,19 +111,6 @@ def with_images(ids, paths, cfg, ckpt):
 _CHECKPOINT = object()  # --drafter-window not given: the checkpoint's own (argparse converts only str defaults)
 
 
-def parse_window(s: str):
-    """A drafter context window from the command line: a positive int, or "none" (the whole context)."""
-    if s.lower() == "none":
-        return None
-    try:
-        w = int(s)
-    except ValueError:
-        w = 0
-    if w < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of positions or 'none', got {s!r}")
-    return w
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", help="prompt text")
@@ -136,7 +123,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-draft", action="store_true", help="plain decoding only")
-    ap.add_argument("--drafter-window", type=parse_window, default=_CHECKPOINT, metavar="N|none",
+    ap.add_argument("--drafter-window", type=jdspark.drafter.parse_context_window, default=_CHECKPOINT,
+                    metavar="N|none",
                     help="the drafter reads only the last N context positions, from a ring buffer (its memory and "
                          "draft cost stop growing with the context; lossless either way); none: all of them; "
                          "default: the checkpoint's. Past ~1K tokens of context the shipped drafter accepts more "

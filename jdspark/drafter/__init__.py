@@ -2,7 +2,7 @@
 (``losses``) and checkpoint I/O in speculators' format (``io``)."""
 
 from jdspark.config import DSparkConfig
-from jdspark.drafter.io import load_drafter, save_drafter, state_dict
+from jdspark.drafter.io import load_drafter, parse_context_window, save_drafter, state_dict
 from jdspark.drafter.layers import rope
 from jdspark.drafter.losses import dspark_loss, resolve_loss, select_anchors, training_loss, verifier_targets
 from jdspark.drafter.model import (
@@ -19,5 +19,5 @@ from kimi.ops.norms import qwen3_rms_norm as rms_norm
 __all__ = [
     "DSparkDrafter", "DrafterCache", "DSparkConfig", "load_drafter", "save_drafter", "state_dict", "training_loss",
     "dspark_loss", "select_anchors", "resolve_loss", "rms_norm", "rope", "check_target", "verifier_targets",
-    "with_serving_layout", "with_context_window", "with_layers", "ring_from_linear",
+    "with_serving_layout", "with_context_window", "with_layers", "ring_from_linear", "parse_context_window",
 ]

@@ -3,6 +3,7 @@ through the safetensors layer the target uses too (``kimi.safetensors_io``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from typing import Any
@@ -15,6 +16,21 @@ from flax import nnx
 from jdspark.config import DSparkConfig
 from jdspark.drafter.model import DSparkDrafter, check_target
 from kimi import safetensors_io as st
+
+
+def parse_context_window(s: str):
+    """A drafter context window as a command line gives it: a positive int, or "none" (the whole context). An
+    ``argparse`` type: anything else is an ArgumentTypeError naming what was expected."""
+    if str(s).strip().lower() == "none":
+        return None
+    try:
+        w = int(s)
+    except ValueError:
+        w = 0
+    if w < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of positions or 'none', got {s!r}")
+    return w
+
 
 _IGNORED_ON_LOAD = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 

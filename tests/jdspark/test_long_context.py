@@ -172,3 +172,15 @@ def test_windowed_drafter_is_lossless_on_the_shipped_pair():
     h = histogram(sp.stats, G)
     print(f"window 16: accept_len {sp.stats.accept_len:.2f}, histogram (0..{G} accepted) {h.tolist()}")
     assert h[0] > 0 and h[1:].sum() > 0
+
+
+def test_a_window_from_the_command_line_is_a_positive_int_or_none():
+    import argparse
+
+    from jdspark.drafter import parse_context_window
+
+    assert parse_context_window("none") is None and parse_context_window("None") is None
+    assert parse_context_window("1024") == 1024
+    for bad in ("0", "-8", "1k", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number of positions or 'none'"):
+            parse_context_window(bad)

@@ -29,6 +29,9 @@ def test_shipped_pair_loads_and_fits(pair):
     assert tc == kimi.KimiConfig.from_hf_config(os.path.join(PAIR, "target"))
     assert dc.hidden_size == tc.hidden_size and dc.vocab_size == tc.vocab_size
     assert all(0 <= i <= tc.num_hidden_layers for i in dc.aux_hidden_state_layer_ids)
+    # served from a ring of the last 1024 context positions (checkpoints/default/README.md says why); shorter
+    # streams read their whole context either way (test_long_context.py: a window longer than the stream)
+    assert dc.context_window == 1024 and drafter.init_cache(1, 300).max_len == 300
 
 
 def test_shipped_pair_greedy_dspark_equals_plain_on_held_out_prompts(pair):
