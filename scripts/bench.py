@@ -116,7 +116,7 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
         jdspark.generate(target, d, prompts[0], max_new_tokens=1, seed=seeds[0], **kw)
     t = {"ar": 0.0, "spec": 0.0, "ar_pre": 0.0, "spec_pre": 0.0}
     n_new = steps = accepted = mismatches = 0
-    counts, outputs, steps_N, accepted_N = None, [], [], []
+    counts, outputs, steps_N, accepted_N, diverged = None, [], [], [], []
     for p, seed in zip(prompts, seeds):
         best = {k: float("inf") for k in t}
         for _ in range(repeats):
@@ -132,7 +132,10 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
         for k in t:
             t[k] += best[k]
         n_new += max_new - 1  # tokens after the first (which the prefill yields)
-        mismatches += int(not np.array_equal(ar_tokens, sp.tokens))
+        if not np.array_equal(ar_tokens, sp.tokens):
+            mismatches += 1
+            if temperature == 0:
+                diverged.append(dict(prompt=len(outputs), **greedy_divergence(target, p, ar_tokens, sp.tokens)))
         steps_N.append(int(sp.stats.target_steps))
         accepted_N.append(int(sp.stats.accepted))
         steps += steps_N[-1]
@@ -152,7 +155,32 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
            "_outputs": outputs}
     if temperature == 0:  # greedy DSpark must be plain decoding, token for token
         row["greedy_mismatches"] = mismatches
+        row["greedy_divergences"] = diverged
     return row
+
+
+def greedy_divergence(target, prompt, plain, spec) -> dict:
+    """Where greedy DSpark first left plain decoding (token ``at`` of the output) and how close plain decoding's
+    choice was there: logit(plain token) - logit(DSpark's token) from a one-pass prefill of the prompt and the plain
+    tokens before it, by the bf16 serving copy (``gap_bf16``) and by the fp32 checkpoint (``gap_fp32``), and how far
+    the serving copy's logits sit from the fp32 ones at that position (``bf16_shift``, the largest difference).
+    The serving copy rounds each matmul's input rows to bf16 (kimi/ops/linear.py): a decode step and a verify block
+    reach those roundings with fp32 sums taken in another order, and a sum one fp32 ulp either side of a bf16
+    rounding boundary moves by a bf16 ulp. A gap below ``bf16_shift`` is a near-tie at the serving precision broken
+    the other way; a gap far above it would be a bug."""
+    plain, spec = np.asarray(plain), np.asarray(spec)
+    n = min(plain.size, spec.size)
+    at = int(np.nonzero(plain[:n] != spec[:n])[0][0])
+    seq = jnp.asarray(np.concatenate([np.asarray(prompt), plain[:at]]).astype(np.int32))[None]
+
+    def last_logits(model):
+        out = model.forward(seq, model.init_cache(1, seq.shape[1]), mode="prefill")
+        return np.asarray(out.logits[0, -1], np.float64)
+
+    served, fp32 = last_logits(with_serving_layout(target)), last_logits(target)
+    a, b = int(plain[at]), int(spec[at])
+    return {"at": at, "plain_token": a, "spec_token": b, "gap_bf16": float(served[a] - served[b]),
+            "gap_fp32": float(fp32[a] - fp32[b]), "bf16_shift": float(np.abs(served - fp32).max())}
 
 
 def degeneracy_figures(tokenizer, outputs, continuations) -> dict:

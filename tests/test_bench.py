@@ -39,3 +39,29 @@ def test_degeneracy_figures_compare_with_the_real_continuation_at_the_same_lengt
     fig = bench.degeneracy_figures(tok, [loop], [b"def f():\n    return 1\n" * 20])
     assert fig["run_share"] == 1.0 and fig["reference"]["run_share"] == 0.0
     assert fig["reference"]["distinct8"] > 0.2
+
+
+def test_greedy_divergence_names_the_first_differing_token_and_both_models_gaps():
+    """On a tiny bf16-served model: the first differing position, and the logit gaps there equal the ones read off
+    one-pass prefills of the prompt + the plain tokens before it (fp32 checkpoint and bf16 serving copy)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import kimi
+    from kimi.model import with_serving_layout
+
+    cfg = kimi.KimiConfig.tiny(serving_dtype="bfloat16")
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    prompt = np.array([1, 5, 9, 13], np.int32)
+    plain = np.array([20, 21, 22, 23, 24], np.int32)
+    spec = np.array([20, 21, 22, 40, 24, 25], np.int32)
+    d = bench.greedy_divergence(target, prompt, plain, spec)
+    seq = jnp.asarray(np.concatenate([prompt, plain[:3]]))[None]
+    fp32 = np.asarray(target.forward(seq, target.init_cache(1, 7), mode="prefill").logits[0, -1])
+    served = with_serving_layout(target)
+    bf16 = np.asarray(served.forward(seq, served.init_cache(1, 7), mode="prefill").logits[0, -1])
+    assert (d["at"], d["plain_token"], d["spec_token"]) == (3, 23, 40)
+    assert d["gap_fp32"] == pytest.approx(fp32[23] - fp32[40], abs=1e-5)
+    assert d["gap_bf16"] == pytest.approx(bf16[23] - bf16[40], abs=1e-5)
+    assert d["bf16_shift"] == pytest.approx(np.abs(bf16 - fp32).max(), abs=1e-5) and d["bf16_shift"] > 0

@@ -6,8 +6,11 @@
       the result in x's dtype. A bf16 product reads half the bytes and, on CPUs with AVX512-BF16, runs the matrix
       unit at twice the fp32 rate. Rows are zero-padded to ``kimi.dispatch.bf16_rows`` (a single row to 2: the
       bf16 matrix-vector path of XLA:CPU is slower than its matrix-matrix one). Decode (1 row) and a verify
-      block (8 rows) round a row at the same points, so they differ only in fp32 accumulation order, as the fp32
-      passes do (greedy speculative decoding stays token-for-token equal to plain decoding).
+      block (8 rows) round a row at the same points, but the fp32 sums that reach those points were taken in
+      another order: a sum one fp32 ulp either side of a bf16 rounding boundary comes out a bf16 ulp apart, so
+      greedy speculative decoding can break a near-tie of the serving copy the other way (the shipped pair: once
+      in 8 x 256 greedy code tokens, a logit gap of 0.013; ``scripts/bench.py`` reports each such divergence).
+      fp32 weights keep the two at fp32 rounding.
   bfloat16 W with bf16 x (a bf16 model): the bf16 product, as jnp.dot gives it.
 """
 
