@@ -37,8 +37,9 @@ def test_pass_costs_and_the_figures_derived_from_them(tmp_path):
     row = bench_step_cost.summarize(40, secs, (2, 4), 8, 3, measured[40])
     assert row["prefill_tok_s_here"] == pytest.approx(len(block) / secs["prefill_chunk"], rel=1e-2)
     step = secs["verify_4"] + secs["draft_8"]
-    assert row["speedup_ceiling"]["4"] == pytest.approx(4 * secs["decode"] / step, rel=1e-3)
-    assert row["breakeven_accept_len"] == pytest.approx(step / secs["decode"], rel=1e-3)
-    assert row["predicted_speedup"] == pytest.approx(2.5 * secs["decode"] / step, rel=1e-3)
-    assert row["verify_over_decode"]["2"] == pytest.approx(secs["verify_2"] / secs["decode"], rel=1e-3)
+    r3 = dict(abs=5.01e-4, rel=0)  # the row rounds ratios to 3 decimals (a relative bound failed on a ratio of 0.31)
+    assert row["speedup_ceiling"]["4"] == pytest.approx(4 * secs["decode"] / step, **r3)
+    assert row["breakeven_accept_len"] == pytest.approx(step / secs["decode"], **r3)
+    assert row["predicted_speedup"] == pytest.approx(2.5 * secs["decode"] / step, **r3)
+    assert row["verify_over_decode"]["2"] == pytest.approx(secs["verify_2"] / secs["decode"], **r3)
     json.dumps(row)
