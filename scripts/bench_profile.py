@@ -1,0 +1,145 @@
+"""Where one generation's device time goes, by phase of the step (JSON): an XLA profile of ``jdspark.generate``.
+
+  python scripts/bench_profile.py --json                      # DSpark, greedy, a held-out code prompt
+  python scripts/bench_profile.py --temperature 1 --json      # sampled (top-p 0.95)
+  python scripts/bench_profile.py --plain --json              # plain decoding
+
+The generation is compiled and run once, then run again under ``jax.profiler``. Every op the device ran is read from
+the trace with its own time (its duration less that of the ops nested in it: a while loop's body, a cond's branch) and
+attributed to the phase named in its HLO metadata: ``jdspark.speculative.spec_step`` names its phases with
+``jax.named_scope`` (draft, verify, accept, commit, append_context); the rest (the prefill, the serving copy's
+weights, the loop itself) is ``other``; a worker thread's waits for the others are ``wait``. The op names come from
+the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before JAX starts). Per-step figures divide by
+the generation's target steps. The trace includes the threads' waits, so read the phases' shares; and on a shared
+machine compare the phases of one run, not runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+PHASES = ("draft", "verify", "accept", "commit", "append_context")  # spec_step's named scopes
+_OP = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*op_name="([^"]*)"', re.M)
+
+
+def op_names(hlo_text: str) -> dict:
+    """HLO instruction name -> its ``op_name`` metadata (the jaxpr path, named scopes included)."""
+    return {m.group(1): m.group(2) for m in _OP.finditer(hlo_text)}
+
+
+def phase_of(op_name: str) -> str:
+    """The innermost of PHASES in an op's scope path (``.../while/body/draft/...`` -> draft), else other."""
+    parts = op_name.split("/")
+    for p in reversed(parts):
+        if p in PHASES:
+            return p
+    return "other"
+
+
+def self_times(events) -> list:
+    """[(name, self ns)] of one trace line's events [(start ns, duration ns, name)]: each event's duration less the
+    durations of the events directly nested in it (events nest, as a loop's body ops inside the loop)."""
+    evs = sorted(events, key=lambda e: (e[0], -e[1]))
+    out, stack = [], []  # stack: (end, index into out)
+    for start, dur, name in evs:
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if stack:
+            out[stack[-1][1]][1] -= dur
+        out.append([name, dur])
+        stack.append((start + dur, len(out) - 1))
+    return [(n, t) for n, t in out]
+
+
+def by_phase(lines, names: dict) -> tuple:
+    """Self time per phase and per op (ns) over the trace's device-thread lines, each a list of events; a thread
+    pool's waits (``...Await``) are their own phase, ``wait``."""
+    phase, per_op = collections.Counter(), collections.Counter()
+    for events in lines:
+        for name, t in self_times(events):
+            if name.startswith("ThunkExecutor"):
+                continue
+            ph = "wait" if "Await" in name else phase_of(names.get(name, ""))
+            phase[ph] += t
+            per_op[(ph, name, names.get(name, "?"))] += t
+    return phase, per_op
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
+    ap.add_argument("--plain", action="store_true", help="plain decoding (no drafter)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=0.95, help="with --temperature > 0")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=0, help="which held-out code prompt (seed 0's order)")
+    ap.add_argument("--top-ops", type=int, default=12, help="ops listed, by self time")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 2 or a.prompt < 0:
+        ap.error("--temperature >= 0, --top-p in (0, 1], --max-new-tokens >= 2 and --prompt >= 0 expected")
+    dump = tempfile.mkdtemp(prefix="jdspark_hlo_")
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                               " --xla_dump_hlo_module_re=.*generate_program.*")
+    import generate as gen  # after XLA_FLAGS: JAX reads them when its backend starts
+    import jax
+    import numpy as np
+
+    import jdspark
+    from jdspark import data as jdata
+    from jdspark import workloads
+
+    target, drafter, _ = gen.load_pair(a.checkpoint)
+    tok = gen.load_tokenizer(a.checkpoint, target.config)
+    prompts = jdata.prompts_from_documents(workloads.documents("code"), a.prompt + 1, a.prompt_len, seed=0,
+                                           tokenizer=tok)
+    d = None if a.plain else drafter
+    kw = dict(max_new_tokens=a.max_new_tokens, eos_token_id=-1, temperature=a.temperature,
+              top_p=a.top_p if a.temperature > 0 else 1.0, seed=a.prompt)
+    prompt = np.asarray(prompts[a.prompt])
+    jdspark.generate(target, d, prompt, **kw)  # compile + warm
+    trace = tempfile.mkdtemp(prefix="jdspark_trace_")
+    jax.profiler.start_trace(trace)
+    out = jdspark.generate(target, d, prompt, **kw)
+    jax.block_until_ready(out.tokens)
+    jax.profiler.stop_trace()
+    hlo = sorted(glob.glob(os.path.join(dump, "*generate_program*after_optimizations.txt")), key=os.path.getmtime)
+    if not hlo:
+        raise SystemExit(f"bench_profile: no optimized HLO of the generation was dumped to {dump}")
+    names = op_names(open(hlo[-1]).read())
+    pb = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
+    prof = jax.profiler.ProfileData.from_file(pb[0])
+    lines = [[(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
+             for plane in prof.planes for line in plane.lines if line.name.startswith("tf_XLAEigen")]
+    phase, per_op = by_phase(lines, names)
+    steps = int(out.stats.target_steps)
+    total_ms = sum(e[1] for line in lines for e in line) / 1e6
+    result = {"mode": "plain" if a.plain else "dspark", "temperature": a.temperature,
+              "top_p": a.top_p if a.temperature > 0 else 1.0, "new_tokens": int(out.num_tokens),
+              "target_steps": steps, "accept_len": (int(out.stats.accepted) + steps) / steps,
+              "phase_ms_per_step": {k: round(v / 1e6 / steps, 4) for k, v in phase.most_common()},
+              "phase_share": {k: round(v / sum(phase.values()), 4) for k, v in phase.most_common()},
+              "traced_thread_ms": round(total_ms, 2),
+              "top_ops": [{"phase": ph, "op": n, "op_name": op[-100:], "ms_per_step": round(t / 1e6 / steps, 4)}
+                          for (ph, n, op), t in per_op.most_common(a.top_ops)]}
+    for k, v in result["phase_ms_per_step"].items():
+        print(f"[bench_profile] {k:15s} {v:7.3f} ms/step ({100 * result['phase_share'][k]:.0f}%)", file=sys.stderr)
+    if a.json:
+        print(json.dumps(result, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
