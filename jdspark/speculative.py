@@ -271,8 +271,10 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None):
     a run of plain steps got worse, and adaptive verification, seeing them fail, stepped plainly again."""
     key, k = jax.random.split(st.key)
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
-    res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
-    nxt = sample(k, res.logits, sp)
+    with jax.named_scope("decode"):  # the phase's name in profiles (scripts/bench_profile.py)
+        res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
+    with jax.named_scope("accept"):
+        nxt = sample(k, res.logits, sp)
     dcache = st.dcache
     if drafter is not None:
         with jax.named_scope("append_context"):

@@ -6,12 +6,12 @@
 
 The generation is compiled and run once, then run again under ``jax.profiler``. Every op the device ran is read from
 the trace with its own time (its duration less that of the ops nested in it: a while loop's body, a cond's branch) and
-attributed to the phase named in its HLO metadata: ``jdspark.speculative.spec_step`` names its phases with
-``jax.named_scope`` (draft, verify, accept, commit, append_context); the rest (the prefill, the serving copy's
-weights, the loop itself) is ``other``; a worker thread's waits for the others are ``wait``. The op names come from
-the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before JAX starts). Per-step figures divide by
-the generation's target steps. The trace includes the threads' waits, so read the phases' shares; and on a shared
-machine compare the phases of one run, not runs.
+attributed to the phase named in its HLO metadata: ``jdspark.speculative.spec_step`` and ``plain_step`` name their
+phases with ``jax.named_scope`` (draft, verify, accept, commit, append_context; ``plain_step``: decode, accept); the
+rest (the prefill, the serving copy's weights, the loop itself) is ``other``; a worker thread's waits for the others
+are ``wait``. The op names come from the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before
+JAX starts). Per-step figures divide by the generation's target steps. The trace includes the threads' waits, so read
+the phases' shares; and on a shared machine compare the phases of one run, not runs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -29,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
-PHASES = ("draft", "verify", "accept", "commit", "append_context")  # spec_step's named scopes
+PHASES = ("draft", "verify", "accept", "commit", "append_context", "decode")  # the steps' named scopes
 _OP = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*op_name="([^"]*)"', re.M)
 
 
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
     lines = [[(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
              for plane in prof.planes for line in plane.lines if line.name.startswith("tf_XLAEigen")]
     phase, per_op = by_phase(lines, names)
+    shutil.rmtree(dump, ignore_errors=True)
+    shutil.rmtree(trace, ignore_errors=True)
     steps = int(out.stats.target_steps)
     total_ms = sum(e[1] for line in lines for e in line) / 1e6
     result = {"mode": "plain" if a.plain else "dspark", "temperature": a.temperature,
