@@ -212,48 +212,36 @@ def draw(key, logw_XV):
     """One index per row, i with probability exp(logw_i) / sum_j exp(logw_j) (log-weights, -inf for none), by the
     Gumbel-max trick: argmax(logw + g), g ~ Gumbel iid.
 
-    When every row's support (its finite log-weights) fits in the K = 64 largest, the Gumbel noise is drawn for
-    those 64 candidates only (``lax.top_k`` in place of V uniform numbers: threefry on this CPU costs ~0.2 ms per
-    4096 of them, more than the small model's verify of a token). A wider support is drawn in two stages, exact by
-    the chain rule: the set (the K largest, or the rest) by Gumbel-max over the two sets' log-masses
-    logsumexp(logw_top), logsumexp(logw_rest), then the index within that set by Gumbel-max, so
+    In two stages, exact by the chain rule: the set (the K = 64 largest weights, or the rest) by Gumbel-max over
+    the two sets' log-masses m_top = logsumexp(logw_top), m_rest = logsumexp(logw_rest), then the index within that
+    set by Gumbel-max, so
 
-        P(i) = (m_set / (m_top + m_rest)) * (w_i / m_set) = w_i / sum_j w_j,
+        P(i) = (m_set / (m_top + m_rest)) * (w_i / m_set) = w_i / sum_j w_j.
 
-    and the rest's V uniform numbers are drawn only when a row picks the rest (a ``lax.cond``: under a batch's vmap
-    both branches run, with the same values). Not an inverse CDF from one uniform: that maps rounding-level
-    differences in the weights (the serving engine's batched programs and batch-1 generate round differently) to a
-    different token whenever the uniform falls near any of the support's boundaries, where Gumbel-max (each stage of
-    it) changes only on a near-tie of the two best perturbed scores."""
+    Gumbel noise for the 64 candidates always (``lax.top_k`` in place of V uniform numbers: threefry on this CPU
+    costs ~0.2 ms per 4096 of them, more than the small model's verify of a token); for the rest's V only when a
+    row picks the rest (a ``lax.cond``; never when the support fits in the 64, where m_rest = -inf). Under a
+    batch's vmap the cond runs both branches, with the same values, and the step then costs what one Gumbel draw
+    over V costs. Not an inverse CDF from one uniform: that maps rounding-level differences in the weights (the
+    serving engine's batched programs and batch-1 generate round differently) to a different token whenever the
+    uniform falls near any of the support's boundaries, where Gumbel-max (each stage of it) changes only on a
+    near-tie of the two best perturbed scores."""
     V = logw_XV.shape[-1]
     K = min(_NUCLEUS_FAST_K, V)
     logw = logw_XV.astype(jnp.float32)
-
-    def among_top_k():
-        top_XK, idx_XK = jax.lax.top_k(logw, K)
-        best = jnp.argmax(top_XK + jax.random.gumbel(key, top_XK.shape), axis=-1)
-        return jnp.take_along_axis(idx_XK, best[..., None], axis=-1)[..., 0].astype(jnp.int32)
-
-    def over_all():
-        return jax.random.categorical(key, logw, axis=-1).astype(jnp.int32)
-
-    def top_k_or_rest():
-        k_set, k_top, k_rest = jax.random.split(key, 3)
-        top_XK, idx_XK = jax.lax.top_k(logw, K)
-        rest_XV = jnp.put_along_axis(logw, idx_XK, _NEG, axis=-1, inplace=False)
-        mass_X2 = jnp.stack([jax.nn.logsumexp(top_XK, axis=-1), jax.nn.logsumexp(rest_XV, axis=-1)], axis=-1)
-        in_rest = jnp.argmax(mass_X2 + jax.random.gumbel(k_set, mass_X2.shape), axis=-1) == 1
-        best = jnp.argmax(top_XK + jax.random.gumbel(k_top, top_XK.shape), axis=-1)
-        from_top = jnp.take_along_axis(idx_XK, best[..., None], axis=-1)[..., 0].astype(jnp.int32)
-        from_rest = jax.lax.cond(jnp.any(in_rest),
-                                 lambda: jax.random.categorical(k_rest, rest_XV, axis=-1).astype(jnp.int32),
-                                 lambda: jnp.zeros_like(from_top))
-        return jnp.where(in_rest, from_rest, from_top)
-
     if K == V:
-        return over_all()
-    fits = jnp.all(jnp.sum(logw > _NEG, axis=-1) <= K)
-    return jax.lax.cond(fits, among_top_k, top_k_or_rest)
+        return jax.random.categorical(key, logw, axis=-1).astype(jnp.int32)
+    k_set, k_top, k_rest = jax.random.split(key, 3)
+    top_XK, idx_XK = jax.lax.top_k(logw, K)
+    rest_XV = jnp.put_along_axis(logw, idx_XK, _NEG, axis=-1, inplace=False)
+    mass_X2 = jnp.stack([jax.nn.logsumexp(top_XK, axis=-1), jax.nn.logsumexp(rest_XV, axis=-1)], axis=-1)
+    in_rest = jnp.argmax(mass_X2 + jax.random.gumbel(k_set, mass_X2.shape), axis=-1) == 1
+    best = jnp.argmax(top_XK + jax.random.gumbel(k_top, top_XK.shape), axis=-1)
+    from_top = jnp.take_along_axis(idx_XK, best[..., None], axis=-1)[..., 0].astype(jnp.int32)
+    from_rest = jax.lax.cond(jnp.any(in_rest),
+                             lambda: jax.random.categorical(k_rest, rest_XV, axis=-1).astype(jnp.int32),
+                             lambda: jnp.zeros_like(from_top))
+    return jnp.where(in_rest, from_rest, from_top)
 
 
 def sample(key, logits_XV, sp: SamplingParams, processed_XV=None):
