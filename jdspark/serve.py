@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kimi
-from jdspark.drafter import load_drafter, parse_context_window, with_context_window
+from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
 from jdspark.serve_media import MediaError, encode_with_images, message_text
@@ -310,9 +310,6 @@ async def _sse(request, engine, req, events, chat: bool, created: int, model_nam
             engine.cancel(req)
 
 
-_CHECKPOINT = object()  # --drafter-window not given: the checkpoint's own
-
-
 def main(argv=None) -> int:
     """``python -m jdspark.serve --checkpoint DIR --slots S --port P``: load the pair, compile every program,
     then serve (``/health`` answers 503 until the compiles are done)."""
@@ -333,7 +330,7 @@ def main(argv=None) -> int:
                          "decides: chunks of 1024 above 4096 tokens)")
     ap.add_argument("--multi-step", type=int, default=4,
                     help="steps per device launch at batch buckets <= 2 while no request waits (1: one per launch)")
-    ap.add_argument("--drafter-window", type=parse_context_window, default=_CHECKPOINT, metavar="N|none",
+    ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions of each stream, from a ring buffer "
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
                          "of them; default: the checkpoint's (the shipped drafter's: 1024, with which it accepts "
@@ -347,8 +344,7 @@ def main(argv=None) -> int:
     tdir, ddir = os.path.join(a.checkpoint, "target"), os.path.join(a.checkpoint, "drafter")
     target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": a.serving_dtype})
     drafter = load_drafter(ddir, target=target) if a.spec != "off" and os.path.isdir(ddir) else None
-    if drafter is not None and a.drafter_window is not _CHECKPOINT:
-        drafter = with_context_window(drafter, a.drafter_window)
+    drafter = apply_context_window(drafter, a.drafter_window)
     tok = kimi.load_tokenizer(tdir, vocab_size=target.config.vocab_size)
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,

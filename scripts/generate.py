@@ -108,9 +108,6 @@ def with_images(ids, paths, cfg, ckpt):
     return np.array(image_lib.expand_placeholders(ids, vin.grid_thw, cfg.vision), np.int32), vin
 
 
-_CHECKPOINT = object()  # --drafter-window not given: the checkpoint's own (argparse converts only str defaults)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", help="prompt text")
@@ -123,8 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-draft", action="store_true", help="plain decoding only")
-    ap.add_argument("--drafter-window", type=jdspark.drafter.parse_context_window, default=_CHECKPOINT,
-                    metavar="N|none",
+    ap.add_argument("--drafter-window", type=jdspark.drafter.parse_context_window,
+                    default=jdspark.drafter.CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions, from a ring buffer (its memory and "
                          "draft cost stop growing with the context; lossless either way); none: all of them; "
                          "default: the checkpoint's. Past ~1K tokens of context the shipped drafter accepts more "
@@ -159,8 +156,8 @@ def main(argv=None) -> int:
     print(f"[jdspark] {note}", file=sys.stderr)
     if a.no_draft:
         drafter = None
-    elif drafter is not None and a.drafter_window is not _CHECKPOINT:
-        drafter = jdspark.drafter.with_context_window(drafter, a.drafter_window)
+    else:
+        drafter = jdspark.drafter.apply_context_window(drafter, a.drafter_window)
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,

@@ -14,8 +14,18 @@ import numpy as np
 from flax import nnx
 
 from jdspark.config import DSparkConfig
-from jdspark.drafter.model import DSparkDrafter, check_target
+from jdspark.drafter.model import DSparkDrafter, check_target, with_context_window
 from kimi import safetensors_io as st
+
+CHECKPOINT_WINDOW = object()  # a command line's --drafter-window not given: the checkpoint's own context window
+
+
+def apply_context_window(drafter, window):
+    """A command line's drafter: ``drafter`` as loaded for CHECKPOINT_WINDOW (or None), else serving ``window``
+    (``parse_context_window``'s value: positions, or None for the whole context)."""
+    if drafter is None or window is CHECKPOINT_WINDOW:
+        return drafter
+    return with_context_window(drafter, window)
 
 
 def parse_context_window(s: str):

@@ -174,10 +174,15 @@ def test_windowed_drafter_is_lossless_on_the_shipped_pair():
     assert h[0] > 0 and h[1:].sum() > 0
 
 
-def test_a_window_from_the_command_line_is_a_positive_int_or_none():
+def test_a_window_from_the_command_line_is_a_positive_int_or_none(tiny):
     import argparse
 
-    from jdspark.drafter import parse_context_window
+    from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, parse_context_window
+
+    drafter = tiny[1]
+    assert apply_context_window(drafter, CHECKPOINT_WINDOW) is drafter and apply_context_window(None, 8) is None
+    assert apply_context_window(drafter, 8).config.context_window == 8
+    assert apply_context_window(with_context_window(drafter, 8), None).config.context_window is None
 
     assert parse_context_window("none") is None and parse_context_window("None") is None
     assert parse_context_window("1024") == 1024
