@@ -7,7 +7,7 @@ One step, batch 1 (the stream one user waits on), positions n = tokens the targe
             argmax (greedy) or a draw from q_k (sampling); confidence c_k; survival_k = prod_{j<=k} sigmoid(c_j)
   target:   verify([a, d_1 .. d_G]) -> logits p_0 .. p_G (p_i predicts position n+i+1), taps, what rolls back
   accept:   greedy: the longest prefix with d_{i+1} = argmax p_i, then the bonus argmax p_m;
-            sampling: rejection sampling with p and q processed identically (lossless)
+            sampling: rejection sampling against the q each draft was drawn from (``sampling.propose``; lossless)
   commit:   the target's KDA state at position n+m (rebuilt from the closed-form verify block's trace: one small
             matmul per layer) and conv state (selected), MLA length n+m+1; nothing is re-run; the drafter's
             context grows by the taps of positions n .. n+m; the m accepted drafts and the bonus are emitted; the
@@ -30,7 +30,7 @@ from jax.experimental import io_callback
 
 from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
-from jdspark.sampling import SamplingParams, accept, process_logits, sample, unless_greedy
+from jdspark.sampling import SamplingParams, accept, propose, sample, unless_greedy
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
 from kimi.model import check_token_ids, with_serving_layout
@@ -131,8 +131,8 @@ def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
 
 def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
                 threshold: float, confidence: bool = False):
-    """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (processed), n_verify, survival [G]
-    or None).
+    """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (the proposal ``sampling.propose``
+    drew each draft from; zeros when greedy), n_verify, survival [G] or None).
 
     survival_k = prod_{j<=k} sigmoid(c_j), the confidence head's probability that drafts 1..k are all accepted
     (computed when ``threshold > 0`` truncates the block or ``confidence`` asks for it; None without the head).
@@ -147,8 +147,7 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
             return jnp.argmax(z, axis=-1).astype(jnp.int32), jnp.zeros_like(z, jnp.float32)
 
         def sampled():
-            logq = process_logits(z, sp)  # q, what the rejection rule reads; the draft is drawn from it
-            return sample(k, z, sp, logq), logq
+            return propose(k, z, sp)  # the draft and q (a near-nucleus), what the rejection rule reads
 
         return unless_greedy(sp, sampled, greedy)
 

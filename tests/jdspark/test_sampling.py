@@ -13,7 +13,15 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from jdspark.sampling import SamplingParams, accept_greedy, accept_rejection, draw, process_logits
+from jdspark.sampling import (
+    SamplingParams,
+    _draw_blocks,
+    accept_greedy,
+    accept_rejection,
+    draw,
+    process_logits,
+    propose,
+)
 from tests.jdspark import sampling_ref as ref
 
 ALPHA = 1e-4
@@ -103,6 +111,53 @@ def test_draw_follows_the_weights():
         counts = np.bincount(got, minlength=V)
         assert counts[w[r] == 0].sum() == 0
         assert ref.pearson_pvalue(counts, w[r] / w[r].sum()) > ALPHA, r
+
+
+def test_draw_blocks_follows_the_weights():
+    """_draw_blocks (block, then index within it): frequencies against the normalised weights (Pearson, ALPHA
+    each, 2 checks) on a vocabulary that is not a multiple of the block, whole blocks of zero weight included."""
+    rng = np.random.default_rng(21)
+    V, N = 300, 40000
+    w = rng.gamma(0.5, 1.0, (2, V))
+    w[0, 64:192] = 0.0  # two whole blocks empty
+    w[1, 1::3] = 0.0
+    logw = np.where(w > 0, np.log(np.maximum(w, 1e-300)), -np.inf).astype(np.float32)
+    keys = jax.random.split(jax.random.key(22), N)
+    for r in range(2):
+        got = np.asarray(jax.jit(jax.vmap(lambda k: _draw_blocks(k, jnp.asarray(logw[r]))))(keys))
+        counts = np.bincount(got, minlength=V)
+        assert counts[w[r] == 0].sum() == 0
+        assert ref.pearson_pvalue(counts, w[r] / w[r].sum()) > ALPHA, r
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
+def test_propose_draws_its_q_a_near_nucleus_of_the_processed_distribution(temperature, top_k, top_p):
+    """propose: q holds >= top_p of the tempered, top-k-masked mass and contains process_logits's nucleus (so it
+    is process_logits's distribution when top_p = 1), per-row parameters give the static rows' q and greedy rows
+    their argmax, and the drawn tokens follow q (Pearson, ALPHA)."""
+    V = 300
+    z = np.random.default_rng(31).normal(0, 2, (4, V)).astype(np.float32)
+    sp = SamplingParams(temperature, top_k, top_p)
+    _, logq = propose(jax.random.key(0), jnp.asarray(z), sp)
+    q = np.exp(np.asarray(logq))
+    want = np.exp(np.asarray(process_logits(jnp.asarray(z), sp)))
+    np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
+    assert np.all((q > 0) >= (want > 0))  # the nucleus is inside q's support
+    tk = np.exp(np.asarray(process_logits(jnp.asarray(z), SamplingParams(temperature, top_k, 1.0))))
+    kept = np.where(q > 0, tk, 0.0).sum(-1)
+    assert np.all(kept >= top_p - 1e-5), kept
+    if top_p == 1.0:
+        np.testing.assert_allclose(q, want, atol=1e-6)
+    rows = SamplingParams.rows([temperature, 0.0, temperature, temperature], [top_k] * 4, [top_p] * 4)
+    tok_r, logq_r = propose(jax.random.key(0), jnp.asarray(z), rows)
+    np.testing.assert_allclose(np.exp(np.asarray(logq_r))[[0, 2, 3]], q[[0, 2, 3]], atol=1e-6)
+    assert int(tok_r[1]) == int(z[1].argmax())
+    keys = jax.random.split(jax.random.key(32), 20000)
+    got = np.asarray(jax.jit(jax.vmap(lambda k: propose(k, jnp.asarray(z[0]), sp)[0]))(keys))
+    counts = np.bincount(got, minlength=V)
+    assert counts[q[0] == 0].sum() == 0
+    if (q[0] > 0).sum() > 1:  # top_k 1: one token, drawn every time (checked just above)
+        assert ref.pearson_pvalue(counts, q[0]) > ALPHA
 
 
 # ---------------------------------------------------------------------------------------------------- greedy
