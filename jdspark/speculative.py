@@ -13,8 +13,8 @@ One step, batch 1 (the stream one user waits on), positions n = tokens the targe
             context grows by the taps of positions n .. n+m; the m accepted drafts and the bonus are emitted; the
             bonus is the next anchor.
 ``drafter=None`` runs plain decoding through the same loop (one target decode per step). A small model is served
-from a copy of its weights laid out for these passes, made once at the start of the program
-(``kimi.model.with_serving_layout``, ``jdspark.drafter.with_serving_layout``).
+from a copy of its weights laid out for these passes, made once per set of weights and kept between calls
+(``serving_pair``; ``kimi.model.with_serving_layout``, ``jdspark.drafter.with_serving_layout``).
 """
 
 from __future__ import annotations
@@ -162,13 +162,39 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     return drafts_G, logq_GV, n_verify, survival
 
 
+_kept: dict = {}  # role -> (key, the weight arrays it was made from, the serving copy): one entry per role
+
+
+def _serving_copy(role: str, module, make, *key_extra):
+    """``make(module)``, kept for the last module of this role: keyed by its graph, ``key_extra`` and the identity
+    of every weight array (jax arrays are immutable: new weights are new arrays, hence a new copy); the entry holds
+    those arrays, so no identity is reused while it stands."""
+    graph, state = nnx.split(module)
+    weights = jax.tree_util.tree_leaves(state)
+    key = (graph, key_extra, tuple(map(id, weights)))
+    hit = _kept.get(role)
+    if hit is not None and hit[0] == key:
+        return hit[2]
+    copy = make(module)
+    _kept[role] = (key, weights, copy)
+    return copy
+
+
 def serving_pair(target, drafter):
     """The (target, drafter) a generation runs: their serving copies when ``kimi.dispatch.serving_copy`` says so
-    (made inside generate's program; a serving engine makes them once), else the modules themselves."""
+    (MXFP4 experts dequantised, projections fused, weights in ``serving_dtype``), else the modules themselves.
+
+    Made outside any program and kept for the last target and the last drafter given (one entry each, so plain
+    and DSpark generations of one target share its copy): ``generate`` used to rebuild the copy at the start of
+    every call's program, a fixed cost in each call's time to the first token. Only a small model is copied
+    (``dispatch.serving_copy``'s budget), so keeping the copy between calls holds at most that."""
     if not dispatch.serving_copy(target.config, target.partition.sharded):
         return target, drafter
-    served = with_serving_layout(target)
-    return served, (drafter_serving_layout(drafter, target.config.serving_dtype) if drafter is not None else None)
+    dtype = target.config.serving_dtype
+    served_t = _serving_copy("target", target, with_serving_layout)
+    served_d = None if drafter is None else _serving_copy(
+        "drafter", drafter, lambda d: drafter_serving_layout(d, dtype), dtype)
+    return served_t, served_d
 
 
 def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -> int:
@@ -180,14 +206,14 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None):
-    """The whole generation (prefill + loop). Static: graphs, max_new, sampling params, threshold, stream,
-    chunk (the prefill's chunk size, None for one pass); traced: ``eos_id`` (-1: none), ``media_MD`` (image
-    features merged in the prefill).
+    """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
+    graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass);
+    traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
-    target, drafter = serving_pair(nnx.merge(t_graph, t_state),
-                                   nnx.merge(d_graph, d_state) if d_graph is not None else None)
+    target = nnx.merge(t_graph, t_state)
+    drafter = nnx.merge(d_graph, d_state) if d_graph is not None else None
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
@@ -368,9 +394,10 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     padded = np.full((1, P), cfg.pad_token_id, np.int32)
     padded[0, :len(ids)] = ids
     prompt = target.partition.replicate(padded)
-    t_graph, t_state = nnx.split(target)
-    d_graph, d_state = nnx.split(drafter) if drafter is not None else (None, None)
     media = None if images is None else target.partition.replicate(target.image_features(ids, images))
+    served_t, served_d = serving_pair(target, drafter)
+    t_graph, t_state = nnx.split(served_t)
+    d_graph, d_state = nnx.split(served_d) if served_d is not None else (None, None)
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
                                       float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),

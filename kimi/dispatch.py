@@ -131,9 +131,9 @@ SERVING_COPY_BUDGET_BYTES = 512 << 20
 
 
 def serving_copy(cfg, sharded: bool) -> bool:
-    """Whether a generation makes the serving copy of the target's weights (``kimi.model.with_serving_layout``)
-    once, inside its program: only when it is small; a sharded model keeps its layout, and so does a model that
-    runs the MXFP4 Pallas kernels (they read the packed experts the copy would unpack)."""
+    """Whether a generation serves a copy of the target's weights (``kimi.model.with_serving_layout``, made once
+    per set of weights and kept between generations): only when it is small; a sharded model keeps its layout, and
+    so does a model that runs the MXFP4 Pallas kernels (they read the packed experts the copy would unpack)."""
     if sharded or moe_uses_pallas(cfg):
         return False
     moe_layers = sum(k == "moe" for k in cfg.ffn_kinds)

@@ -302,10 +302,10 @@ def with_dense_experts(model: KimiForCausalLM) -> KimiForCausalLM:
 
 
 def with_serving_layout(model: KimiForCausalLM) -> KimiForCausalLM:
-    """The model as a generation serves a small model, made once inside the generation's program (not once per
-    step): MXFP4 experts dequantised; every expert also in the fused layout of the verify path ('all', see
-    ``RoutedExperts.all_layout``) and per expert (the 'used' loop); the projections that read the same input side
-    by side (``project_many``); with ``serving_dtype`` bfloat16, every matmul weight in bf16
+    """The model as a generation serves a small model, made once per set of weights (the generation keeps it; not
+    once per step or per call): MXFP4 experts dequantised; every expert also in the fused layout of the verify path
+    ('all', see ``RoutedExperts.all_layout``) and per expert (the 'used' loop); the projections that read the same
+    input side by side (``project_many``); with ``serving_dtype`` bfloat16, every matmul weight in bf16
     (``kimi.layers.weights_to_bf16``). About three times the experts' bytes. Same weights, same results up to float
     summation order (and bf16 rounding of the matmul inputs)."""
     model = with_dense_experts(model) if model.config.expert_format == "mxfp4" else nnx.merge(*nnx.split(model))

@@ -8,10 +8,10 @@ The generation is compiled and run once, then run again under ``jax.profiler``. 
 the trace with its own time (its duration less that of the ops nested in it: a while loop's body, a cond's branch) and
 attributed to the phase named in its HLO metadata: ``jdspark.speculative.spec_step`` and ``plain_step`` name their
 phases with ``jax.named_scope`` (draft, verify, accept, commit, append_context; ``plain_step``: decode, accept); the
-rest (the prefill, the serving copy's weights, the loop itself) is ``other``; a worker thread's waits for the others
-are ``wait``. The op names come from the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before
-JAX starts). Per-step figures divide by the generation's target steps. The trace includes the threads' waits, so read
-the phases' shares; and on a shared machine compare the phases of one run, not runs.
+rest (the prefill, the loop itself) is ``other``; a worker thread's waits for the others are ``wait``. The op names
+come from the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before JAX starts). Per-step figures
+divide by the generation's target steps. The trace includes the threads' waits, so read the phases' shares; and on a
+shared machine compare the phases of one run, not runs.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at leas
 
 def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int):
     """n independent generations of T_LAW tokens, vmapped over the key: (tokens [n, T_LAW], GenStats of [n])."""
-    t_graph, t_state = nnx.split(target)
-    d_graph, d_state = nnx.split(drafter)
+    served_t, served_d = speculative.serving_pair(target, drafter)
+    t_graph, t_state = nnx.split(served_t)
+    d_graph, d_state = nnx.split(served_d)
     padded = jnp.asarray(np.array(prompt, np.int32)[None])
 
     def one(k):
