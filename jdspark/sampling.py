@@ -273,7 +273,7 @@ def _draw_blocks(key, logw_XV, block: int = 64):
 
 def _nucleus_by_buckets(logp_XV, top_p_X):
     """A superset of the top-p nucleus by one radix pass: the probabilities are bucketed by their float's top
-    12 bits (sign 0, 8 exponent, 3 mantissa bits: 8 buckets an octave, p within a factor 1.09 in each), the
+    12 bits (sign 0, 8 exponent, 3 mantissa bits: 8 buckets an octave, p within a factor 1.125 in each), the
     buckets' masses summed, and every token kept whose bucket is at or above the last one the mass from the top
     reaches ``top_p`` in. Keeps >= top_p of the mass, at most one bucket's tokens past the nucleus."""
     p = jnp.exp(logp_XV)
@@ -293,7 +293,7 @@ def _nucleus_by_buckets(logp_XV, top_p_X):
 def propose(key, logits_XV, sp: SamplingParams):
     """A drafter's sampled proposal: (token [...], log q [..., V] fp32), q the tempered, top-k-masked distribution
     restricted to a superset of its top-p nucleus (``_nucleus_by_buckets``: at most one bucket of tokens within a
-    factor 1.09 of the nucleus's smallest past it) and renormalised.
+    factor 1.125 of the nucleus's smallest past it) and renormalised.
 
     Speculative sampling is lossless for any proposal q the rejection rule reads (``accept_rejection``: the output
     follows the target's p whatever q is), so the drafter need not compute ``process_logits``'s exact nucleus: a
@@ -308,14 +308,14 @@ def propose(key, logits_XV, sp: SamplingParams):
     else:
         t = _lead(sp.temperature, z)
         z = _top_k_rows(z / jnp.where(t > 0, t, 1.0)[..., None], sp)
-        p = sp.top_p
+        p = _lead(sp.top_p, z)
     p_X = jnp.broadcast_to(jnp.asarray(p, jnp.float32), z.shape[:-1])
     logp_XV = jax.nn.log_softmax(z, axis=-1)
     keep = (p_X[..., None] >= 1.0) | _nucleus_by_buckets(logp_XV, p_X)
     logq_XV = jax.nn.log_softmax(jnp.where(keep, z, _NEG), axis=-1)
     token = _draw_blocks(key, logq_XV)
     if not sp.is_static:
-        token = jnp.where(_lead(sp.temperature, z) == 0.0, jnp.argmax(logits_XV, axis=-1).astype(jnp.int32), token)
+        token = jnp.where(t == 0.0, jnp.argmax(logits_XV, axis=-1).astype(jnp.int32), token)
     return token, logq_XV
 
 
