@@ -127,10 +127,11 @@ def _top_k_static(z, top_k: int):
 def _top_k_rows(z, sp: SamplingParams):
     """``_top_k_static`` with per-row top_k (0 = off), skipped when the batch flag says no row uses it."""
     V = z.shape[-1]
-    k = _lead(sp.top_k, z)[..., None]
+    k_X = _lead(sp.top_k, z)
 
     def top_k_rows(z):
-        kth = _kth_largest(z, jnp.clip(_lead(sp.top_k, z), 1, V))[..., None]
+        kth = _kth_largest(z, jnp.clip(k_X, 1, V))[..., None]
+        k = k_X[..., None]
         return jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
 
     return _when(None if sp.batch is None else sp.batch[1], top_k_rows, z)
