@@ -46,6 +46,7 @@ from flax import nnx  # noqa: E402
 import jdspark  # noqa: E402
 from jdspark import costmodel, textstats, workloads  # noqa: E402
 from jdspark import data as jdata  # noqa: E402
+from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, parse_context_window  # noqa: E402
 from jdspark.drafter import with_serving_layout as drafter_serving  # noqa: E402
 from jdspark.evaluate import accept_len_interval, bits_per_byte  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
@@ -262,6 +263,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-sampled", action="store_true", help="greedy rows only")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=None,
                     help="the matmul weights' dtype in both modes (default: generate.DEFAULT_SERVING_DTYPE)")
+    ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
+                    help="the drafter reads only the last N context positions (a ring buffer; lossless either way); "
+                         "none: all of them; default: the checkpoint's (the shipped drafter's: 64; "
+                         "docs/performance.md)")
     ap.add_argument("--plot", default=None, help="write the speedup-vs-acceptance chart to this PNG")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
@@ -275,6 +280,7 @@ def main(argv=None) -> int:
     print(f"[bench] {note}", file=sys.stderr)
     if drafter is None:
         raise SystemExit("bench: the checkpoint has no drafter/")
+    drafter = apply_context_window(drafter, a.drafter_window)
     tokenizer = gen.load_tokenizer(ckpt, target.config)
     if a.corpus:
         sources = {"corpus": workloads.documents_from_dir(a.corpus)}
@@ -282,7 +288,8 @@ def main(argv=None) -> int:
         sources = {w: workloads.documents(w) for w in a.workloads}
     passes = None
     result = {"backend": __import__("jax").default_backend(), "checkpoint": note, "tokenizer": tokenizer.kind,
-              "block_size": drafter.config.block_size, "serving_dtype": target.config.serving_dtype,
+              "block_size": drafter.config.block_size, "drafter_window": drafter.config.context_window,
+              "serving_dtype": target.config.serving_dtype,
               "bits_per_byte": heldout_bits_per_byte(target, tokenizer, a.corpus), "workloads": {}}
     print(f"[bench] held-out bits per byte {result['bits_per_byte']:.3f}", file=sys.stderr)
     rows = [("greedy", 0.0, 1.0)] + ([] if a.no_sampled else [("sampled", a.temperature, a.top_p)])
