@@ -333,8 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions of each stream, from a ring buffer "
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
-                         "of them; default: the checkpoint's (the shipped drafter's: 1024, with which it accepts "
-                         "more past ~1K tokens of context, docs/performance.md)")
+                         "of them; default: the checkpoint's (the shipped drafter's: 64, from which it accepts "
+                         "more than from a longer context, docs/performance.md)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     if a.multi_step < 1:

@@ -1,6 +1,6 @@
 """Acceptance and speed against context length: plain decoding vs DSpark on long prompts of held-out source files.
 
-  python scripts/bench_long.py --json                               # 1K, 8K, 32K, 128K; drafter window none / 1024
+  python scripts/bench_long.py --json                               # 1K, 8K, 32K, 128K; drafter window none / 64
   python scripts/bench_long.py --lengths 1024,8192 --json --plot long.png
   python scripts/bench_long.py --windows none,256,4096 --prefill-chunk 2048 --json
 
@@ -58,7 +58,7 @@ from jdspark.speculative import Stream, cache_positions, decode_loop, prefill_st
 from kimi import dispatch  # noqa: E402
 
 DEFAULT_LENGTHS = (1024, 8192, 32768, 131072)
-DEFAULT_WINDOWS = (None, 1024)
+DEFAULT_WINDOWS = (None, 64)  # the whole context, and the shipped drafter's window
 
 
 # ------------------------------------------------------------------------------------------------ prompts

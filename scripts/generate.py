@@ -4,7 +4,7 @@ and the speedup over plain decoding measured in the same run.
   python scripts/generate.py --prompt "def fibonacci(n):"            # DSpark on
   python scripts/generate.py --prompt "..." --no-draft               # plain decoding
   python scripts/generate.py --demo                                  # the code prompt `make demo` uses
-  python scripts/generate.py --prompt-file long.py --drafter-window 1024   # a long prompt (chunked prefill)
+  python scripts/generate.py --prompt-file long.py --drafter-window none   # a long prompt; the drafter reads all
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
                     default=jdspark.drafter.CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions, from a ring buffer (its memory and "
                          "draft cost stop growing with the context; lossless either way); none: all of them; "
-                         "default: the checkpoint's. Past ~1K tokens of context the shipped drafter accepts more "
-                         "with N = 1024 (docs/performance.md)")
+                         "default: the checkpoint's (the shipped drafter's: 64, from which it accepts more than "
+                         "from a longer context, docs/performance.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side timing")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each mode, interleaved (the fastest "
                     "counts)")
