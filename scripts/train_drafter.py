@@ -6,6 +6,7 @@
     python scripts/train_drafter.py ... --export checkpoints/default/drafter   # speculators format
     python scripts/train_drafter.py ... --init checkpoints/default/drafter     # continue from a shipped drafter
     python scripts/train_drafter.py ... --init checkpoints/default/drafter --layers 2   # ... deepened to 2 layers
+    python scripts/train_drafter.py ... --context-window 64      # trained and served from its last 64 positions
 
 The target is loaded as shipped (experts MXFP4) and frozen; each step runs its jitted prefill over a packed batch
 of the training corpus for the taps and final hidden states (online extraction), then one AdamW step of the
@@ -35,7 +36,7 @@ import jdspark
 import kimi
 from jdspark import data as jdata
 from jdspark import train as jt
-from jdspark.drafter import with_layers
+from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, parse_context_window, with_layers
 from jdspark.evaluate import served_acceptance
 
 
@@ -70,6 +71,9 @@ def train(a) -> dict:
               f"{f', grown from {L}' if drafter.config.num_hidden_layers != L else ''})", file=sys.stderr)
     else:
         drafter = build_drafter(target, a, tokenizer)
+    # trained as served: the objective masks context positions outside the window (DSparkDrafter's training
+    # mask), and the export's config carries it
+    drafter = apply_context_window(drafter, a.context_window)
     t_graph, t_state = nnx.split(target)
     d_graph, params, rest = jt.split_drafter(drafter)
     opt = jt.OptConfig(lr=a.lr, steps=a.steps, warmup=min(100, a.steps // 20 + 1), min_lr_ratio=0.1,
@@ -174,6 +178,9 @@ def parse_args(argv=None):
                    help="start from this drafter (speculators format, e.g. checkpoints/default/drafter): its weights "
                         "and architecture (the architecture flags but --layers are not used), a fresh optimizer and "
                         "schedule; with --resume a checkpoint in --out still wins")
+    p.add_argument("--context-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
+                   help="the drafter attends to the last N context positions, in training as in serving (none: all); "
+                        "default: the --init drafter's, or none for a fresh one")
     p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step")
     p.add_argument("--served-prompts", type=int, default=8,
                    help="held-out prompts the trained drafter is served on at the end (0: skip)")

@@ -90,3 +90,23 @@ def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
         train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "d"), "--init",
                             str(tmp_path / "export2"), "--layers", "1"] + args)
 
+
+
+def test_context_window_is_trained_and_exported(target_dir, tmp_path):
+    """``--context-window N``: the drafter attends to its last N context positions in training as in serving (the
+    held-out loss of the same weights changes when 48-token sequences are cut to 8 positions of context), and the
+    export's config carries N; ``none`` on a windowed drafter restores the whole context."""
+    train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "a"), "--export",
+                        str(tmp_path / "export")] + ARGS)
+    common = ["--target", target_dir, "--init", str(tmp_path / "export"), "--lr", "0"] + ARGS
+    whole = train_drafter.main(["--out", str(tmp_path / "b")] + common)
+    ring = train_drafter.main(["--out", str(tmp_path / "c"), "--context-window", "8", "--export",
+                               str(tmp_path / "ring")] + common)
+    assert whole["_drafter"].config.context_window is None and ring["_drafter"].config.context_window == 8
+    assert abs(ring["initial"]["loss"] - whole["initial"]["loss"]) > 1e-4, (ring["initial"], whole["initial"])
+    target = kimi.load_checkpoint(target_dir)
+    assert jdspark.load_drafter(str(tmp_path / "ring"), target=target).config.context_window == 8
+    back = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "d"), "--init", str(tmp_path / "ring"),
+                               "--lr", "0", "--context-window", "none"] + ARGS)
+    assert back["_drafter"].config.context_window is None
+    assert back["initial"]["loss"] == pytest.approx(whole["initial"]["loss"], abs=1e-6)
