@@ -151,8 +151,9 @@ class KimiForCausalLM(nnx.Module):
         for i, layer in enumerate(self.model.layers):
             if use_res:
                 if n_blocks:
-                    w = attn_res_pseudo_query(layer.self_attention_res_norm, layer.self_attention_res_proj)
-                    h = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
+                    with jax.named_scope("attn_res"):
+                        w = attn_res_pseudo_query(layer.self_attention_res_norm, layer.self_attention_res_proj)
+                        h = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
                 else:
                     h = prefix
                 if i % cfg.attn_res_block_size == 0:
@@ -165,7 +166,8 @@ class KimiForCausalLM(nnx.Module):
                 taps[i] = h
             hn = layer.input_layernorm(h)
             if layer.kind == "kda":
-                out = layer.self_attn(hn, kda_state[i_kda], conv_state[i_kda], mode, valid_len_B)
+                with jax.named_scope("kda"):
+                    out = layer.self_attn(hn, kda_state[i_kda], conv_state[i_kda], mode, valid_len_B)
                 a = out.y_BTD
                 new_kda.append(out.state_BHKV)
                 new_conv.append(out.conv_BWC)
@@ -174,25 +176,31 @@ class KimiForCausalLM(nnx.Module):
                     all_convs.append(out.convs_BTWC)
                 i_kda += 1
             else:
-                a, ckv, kpe = layer.self_attn(hn, ckv, kpe, i_mla, cache.length, absorbed=mode != "prefill")
+                with jax.named_scope("mla"):
+                    a, ckv, kpe = layer.self_attn(hn, ckv, kpe, i_mla, cache.length, absorbed=mode != "prefill")
                 i_mla += 1
             if use_res:
                 prefix = a if prefix is None else prefix + a
-                w = attn_res_pseudo_query(layer.mlp_res_norm, layer.mlp_res_proj)
-                h2 = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
-                prefix = prefix + layer.ffn(layer.post_attention_layernorm(h2))
+                with jax.named_scope("attn_res"):
+                    w = attn_res_pseudo_query(layer.mlp_res_norm, layer.mlp_res_proj)
+                    h2 = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
+                with jax.named_scope(cfg.ffn_kinds[i]):
+                    prefix = prefix + layer.ffn(layer.post_attention_layernorm(h2))
             else:
                 x_BTD = x_BTD + a
-                x_BTD = x_BTD + layer.ffn(layer.post_attention_layernorm(x_BTD))
+                with jax.named_scope(cfg.ffn_kinds[i]):
+                    x_BTD = x_BTD + layer.ffn(layer.post_attention_layernorm(x_BTD))
         if use_res:
-            w = attn_res_pseudo_query(self.model.output_attn_res_norm, self.model.output_attn_res_proj)
-            h = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
+            with jax.named_scope("attn_res"):
+                w = attn_res_pseudo_query(self.model.output_attn_res_norm, self.model.output_attn_res_proj)
+                h = attn_res(prefix, blocks_BTND, n_blocks, w, cfg.rms_norm_eps)
         else:
             h = x_BTD
         L = cfg.num_hidden_layers
         if L in tap_layers:
             taps[L] = h
-        logits = self.logits_from_hidden(h)
+        with jax.named_scope("lm_head"):
+            logits = self.logits_from_hidden(h)
 
         def stack(xs, like):  # the cache keeps its own dtype (a bf16 model computes some states in fp32)
             return jnp.stack(xs).astype(like.dtype) if xs else like

@@ -8,7 +8,9 @@ The generation is compiled and run once, then run again under ``jax.profiler``. 
 the trace with its own time (its duration less that of the ops nested in it: a while loop's body, a cond's branch) and
 attributed to the phase named in its HLO metadata: ``jdspark.speculative.spec_step`` and ``plain_step`` name their
 phases with ``jax.named_scope`` (draft, verify, accept, commit, append_context; ``plain_step``: decode, accept); the
-rest (the prefill, the loop itself) is ``other``; a worker thread's waits for the others are ``wait``. The op names
+rest (the prefill, the loop itself) is ``other``; a worker thread's waits for the others are ``wait``. Within the
+target's passes (verify, decode) ``part_ms_per_step`` splits the time by the model's own scopes (``kimi.model``
+names them: kda, mla, moe, dense, attn_res, lm_head; ``rest``: embedding, cache stacking). The op names
 come from the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before JAX starts). Per-step figures
 divide by the generation's target steps. The trace includes the threads' waits, so read the phases' shares; and on a
 shared machine compare the phases of one run, not runs.
@@ -31,6 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 PHASES = ("draft", "verify", "accept", "commit", "append_context", "decode")  # the steps' named scopes
+PARTS = ("kda", "mla", "moe", "dense", "attn_res", "lm_head")  # kimi.model's scopes inside a target pass
 _OP = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^\n]*?metadata=\{[^}\n]*op_name="([^"]*)"', re.M)
 
 
@@ -46,6 +49,14 @@ def phase_of(op_name: str) -> str:
         if p in PHASES:
             return p
     return "other"
+
+
+def part_of(op_name: str) -> str:
+    """The target pass's part an op belongs to (``.../verify/moe/...`` -> moe), else ``rest``."""
+    for p in reversed(op_name.split("/")):
+        if p in PARTS:
+            return p
+    return "rest"
 
 
 def self_times(events) -> list:
@@ -66,7 +77,7 @@ def self_times(events) -> list:
 def by_phase(lines, names: dict) -> tuple:
     """Self time per phase and per op (ns) over the trace's device-thread lines, each a list of events; a thread
     pool's waits (``...Await``) are their own phase, ``wait``."""
-    phase, per_op = collections.Counter(), collections.Counter()
+    phase, per_op, per_part = collections.Counter(), collections.Counter(), collections.Counter()
     for events in lines:
         for name, t in self_times(events):
             if name.startswith("ThunkExecutor"):
@@ -74,7 +85,8 @@ def by_phase(lines, names: dict) -> tuple:
             ph = "wait" if "Await" in name else phase_of(names.get(name, ""))
             phase[ph] += t
             per_op[(ph, name, names.get(name, "?"))] += t
-    return phase, per_op
+            per_part[(ph, part_of(names.get(name, "")))] += t
+    return phase, per_op, per_part
 
 
 def main(argv=None) -> int:
@@ -124,7 +136,7 @@ def main(argv=None) -> int:
     prof = jax.profiler.ProfileData.from_file(pb[0])
     lines = [[(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
              for plane in prof.planes for line in plane.lines if line.name.startswith("tf_XLAEigen")]
-    phase, per_op = by_phase(lines, names)
+    phase, per_op, per_part = by_phase(lines, names)
     shutil.rmtree(dump, ignore_errors=True)
     shutil.rmtree(trace, ignore_errors=True)
     steps = int(out.stats.target_steps)
@@ -135,6 +147,8 @@ def main(argv=None) -> int:
               "phase_ms_per_step": {k: round(v / 1e6 / steps, 4) for k, v in phase.most_common()},
               "phase_share": {k: round(v / sum(phase.values()), 4) for k, v in phase.most_common()},
               "traced_thread_ms": round(total_ms, 2),
+              "part_ms_per_step": {ph: {pt: round(per_part[(ph, pt)] / 1e6 / steps, 4) for pt in PARTS + ("rest",)
+                                        if per_part[(ph, pt)]} for ph in ("verify", "decode") if phase[ph]},
               "top_ops": [{"phase": ph, "op": n, "op_name": op[-100:], "ms_per_step": round(t / 1e6 / steps, 4)}
                           for (ph, n, op), t in per_op.most_common(a.top_ops)]}
     for k, v in result["phase_ms_per_step"].items():

@@ -34,7 +34,10 @@ def test_self_times_subtract_directly_nested_events():
     events = [(0, 100, "while"), (10, 30, "body"), (15, 10, "inner"), (50, 10, "later"), (120, 10, "after")]
     got = dict(bench_profile.self_times(events))
     assert got == {"while": 100 - 30 - 10, "body": 30 - 10, "inner": 10, "later": 10, "after": 10}
-    phase, per_op = bench_profile.by_phase([events + [(200, 5, "SlinkyThreadPool::Await")]],
-                                           {"while": "x/draft/while", "body": "x/draft/y", "inner": "x/verify/z"})
-    assert phase == {"draft": 60 + 20, "verify": 10, "other": 20, "wait": 5}
-    assert sum(per_op.values()) == sum(phase.values())
+    phase, per_op, per_part = bench_profile.by_phase(
+        [events + [(200, 5, "SlinkyThreadPool::Await")]],
+        {"while": "x/draft/while", "body": "x/draft/y", "inner": "x/verify/moe/cond/dot", "later": "x/verify/z"})
+    assert phase == {"draft": 60 + 20, "verify": 10 + 10, "other": 10, "wait": 5}
+    assert sum(per_op.values()) == sum(phase.values()) == sum(per_part.values())
+    assert per_part[("verify", "moe")] == 10 and per_part[("verify", "rest")] == 10
+    assert bench_profile.part_of("jit(f)/while/body/verify/mla/kda_like/dot") == "mla"  # innermost part
