@@ -23,6 +23,7 @@ width: allocating a budget unevenly across rows would save nothing here; that ne
 from __future__ import annotations
 
 import collections
+import statistics
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -85,6 +86,7 @@ class CostTable:
             raise ValueError(f"window: expected >= 1, got {window}")
         self.window = int(window)
         self.samples: dict = {}  # (batch, width) -> deque of seconds
+        self.medians: dict = {}  # (batch, width) -> the median of its samples (only the observed key changes)
         self.table: dict = {}
 
     def __len__(self) -> int:
@@ -96,8 +98,10 @@ class CostTable:
     def observe(self, key: tuple, seconds: float) -> None:
         if not (seconds > 0 and np.isfinite(seconds)):
             raise ValueError(f"a step time must be a positive finite number of seconds, got {seconds}")
-        self.samples.setdefault(tuple(key), collections.deque(maxlen=self.window)).append(float(seconds))
-        self.table = monotone_costs({k: float(np.median(v)) for k, v in self.samples.items()})
+        key = tuple(key)
+        self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(float(seconds))
+        self.medians[key] = statistics.median(self.samples[key])  # every served step calls this: pure Python
+        self.table = monotone_costs(self.medians)
 
 
 def choose_width(survival_RG: np.ndarray, caps_R: np.ndarray, batch: int, widths: Sequence[int],

@@ -241,11 +241,13 @@ class SlotBackend:
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
                  media_PD, chunk):
-        """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]."""
+        """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
+        go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
+        ~45 us each here)."""
         self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
-                                    jnp.int32(slot), jnp.asarray(padded_1P), jnp.int32(n), jax.random.key(seed),
-                                    jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), media_PD,
-                                    max_len=self.max_len, chunk=chunk)
+                                    np.int32(slot), np.asarray(padded_1P, np.int32), np.int32(n),
+                                    jax.random.key(seed), np.float32(temperature), np.int32(top_k),
+                                    np.float32(top_p), media_PD, max_len=self.max_len, chunk=chunk)
         return first
 
     def _media(self, req: SamplingRequest, P: int):
