@@ -29,13 +29,15 @@ from typing import Mapping, Sequence
 import numpy as np
 
 __all__ = ["expected_tokens", "choose_width", "monotone_costs", "CostTable", "calibrated", "SurvivalTracker",
-           "next_width", "probe_interval", "PROBE_BUDGET"]
+           "next_width", "probe_interval", "retime_extra", "PROBE_BUDGET"]
 
 # The share of serving time the scheduler's probes may cost beyond what it would have run: a refresh (a drafting
 # step after a run of plain ones) and a re-timing of a width it has not picked. A probe that costs ``extra`` plain
 # steps more than a plain step runs once every ``probe_interval(extra)`` steps, so its cost stays at this share at
 # every batch: at b = 1 a one-draft step costs ~1.2 plain steps (refresh every ~9), at b = 16 ~2.2 (every ~62,
-# where the eleventh session's fixed 8 spent ~14% of a c = 16 cell on refreshes that could not pay).
+# where the eleventh session's fixed 8 spent ~14% of a c = 16 cell on refreshes that could not pay). A re-timing
+# is priced by ``retime_extra``: against the width the scheduler would run, a narrower one costs the tokens it does
+# not verify, a wider one its time.
 PROBE_BUDGET = 0.02
 
 
@@ -47,6 +49,19 @@ def probe_interval(extra_steps: float, budget: float = PROBE_BUDGET) -> float:
     if budget == 0:
         return float("inf")
     return max(1, int(np.ceil(max(float(extra_steps), 0.0) / budget)))
+
+
+def retime_extra(expected: Mapping[int, float], costs: Mapping[int, float], width: int) -> float:
+    """What a step at ``width`` costs beyond the step the scheduler would run in its place, in steps of that one:
+
+        T(w) / T(W*) - E(w) / E(W*),    W* = argmax_W E(W) / T(W)    (>= 0 by the choice of W*)
+
+    with E the expected committed tokens and T the step costs per width (one batch bucket). A narrower width
+    than W* takes about as long and commits fewer tokens (at b = 1 on this CPU every width costs about the same,
+    so a plain step in place of a whole block loses ~0.7 of a step); a wider one commits a little more in more
+    time."""
+    best = max(sorted(expected), key=lambda w: expected[w] / costs[w])
+    return max(0.0, costs[width] / costs[best] - expected[width] / expected[best])
 
 
 def expected_tokens(survival_RG: np.ndarray, caps_R: np.ndarray, width: int) -> float:

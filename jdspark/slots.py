@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.adaptive import CostTable, SurvivalTracker, next_width, probe_interval
+from jdspark.adaptive import CostTable, SurvivalTracker, expected_tokens, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -50,10 +50,10 @@ from kimi.prefill import chunked_positions
 __all__ = ["SlotBackend", "buckets_up_to"]
 
 # Adaptive verification re-times a width the scheduler has not picked at a batch bucket for this many of its steps
-# (two steps at that width: only the second is timed, see SlotBackend.collect), or more where those two steps
-# cost more than adaptive.PROBE_BUDGET of them (SlotBackend._explore_every): the cost table only learns from steps
-# it runs, and warm_up's timing of a width can be off (this machine's load varies), which would otherwise keep
-# that width out for good.
+# (two steps at that width: only the second is timed, see SlotBackend.collect), or more where the re-timings of
+# the widths not picked would together cost more than adaptive.PROBE_BUDGET of the steps (SlotBackend._stale,
+# priced by adaptive.retime_extra): the cost table only learns from steps it runs, and warm_up's timing of a
+# width can be off (this machine's load varies), which would otherwise keep that width out for good.
 EXPLORE_EVERY = 64
 
 
@@ -278,18 +278,25 @@ class SlotBackend:
             again = self._explore.pop(b, None)  # (the second step is the one timed: collect's steady state)
             if again is not None:
                 return again
-            stale = [w for w in self.widths
-                     if self._adaptive_steps[b] - self._last_run.get((b, w), 0) > self._explore_every(b, w)]
+            stale = self._stale(b, slots, caps)
             if stale:
                 self._explore[b] = stale[0]
                 return stale[0]
         return next_width(self.tracker, slots, caps, b, self.widths, self.costs)
 
-    def _explore_every(self, b: int, w: int) -> float:
-        """Steps between two re-timings of width w at bucket b: EXPLORE_EVERY, or longer for a width whose two
-        steps cost more than ``adaptive.PROBE_BUDGET`` of that many plain steps (``adaptive.probe_interval``)."""
-        extra = 2 * (self.costs[(b, w)] / self.costs[(b, 1)] - 1)
-        return max(EXPLORE_EVERY, probe_interval(extra))
+    def _stale(self, b: int, slots: Sequence[int], caps: np.ndarray) -> list:
+        """The widths due a re-timing at bucket b: those not run for EXPLORE_EVERY of its steps, or longer for a
+        width whose two steps cost more (``adaptive.retime_extra`` against what the scheduler would run for these
+        slots now, the budget ``adaptive.PROBE_BUDGET`` shared by the widths re-timed: ``probe_interval``). A
+        narrow width in place of a whole block costs the drafts it does not verify, which a price in time alone
+        missed: at b = 1-2 every width was re-timed every 64 steps, ~4% of a cell's tokens."""
+        curves = self.tracker.curve_SG[list(slots)]
+        expected = {w: expected_tokens(curves, caps, w) for w in self.widths}
+        costs = {w: self.costs[(b, w)] for w in self.widths}
+        share = len(self.widths) - 1
+        return [w for w in self.widths
+                if self._adaptive_steps[b] - self._last_run.get((b, w), 0)
+                > max(EXPLORE_EVERY, probe_interval(2 * share * retime_extra(expected, costs, w)))]
 
     def ran(self, b: int, W: int) -> None:
         """Bookkeeping of a step launched at batch bucket b and width W (for ``EXPLORE_EVERY``)."""

@@ -15,6 +15,7 @@ from jdspark.adaptive import (
     monotone_costs,
     next_width,
     probe_interval,
+    retime_extra,
 )
 
 
@@ -195,3 +196,16 @@ def test_tracker_calibrates_an_overconfident_head():
     costs = {(1, 1): 1.0, (1, 5): 2.0}
     assert choose_width(head[None], np.array([G]), 1, (1, 5), costs)[0] == 5
     assert choose_width(got[None], np.array([G]), 1, (1, 5), costs)[0] == 1
+
+
+def test_retime_extra_prices_a_step_against_the_width_the_scheduler_would_run():
+    """A narrower width than the scheduler's pick costs the tokens it does not verify, a wider one its extra time;
+    the pick itself costs nothing more."""
+    e = {1: 1.0, 2: 1.8, 4: 2.9, 8: 3.4}
+    flat = {1: 6.0, 2: 6.0, 4: 6.0, 8: 6.0}  # b = 1 on two cores: every width costs about a step
+    assert retime_extra(e, flat, 8) == 0.0
+    assert retime_extra(e, flat, 1) == pytest.approx(1 - 1.0 / 3.4)
+    assert retime_extra(e, flat, 4) == pytest.approx(1 - 2.9 / 3.4)
+    steep = {1: 10.0, 2: 20.0, 4: 40.0, 8: 80.0}  # b = 16: a whole block costs 8 plain steps, the pick is plain
+    assert retime_extra(e, steep, 1) == 0.0
+    assert retime_extra(e, steep, 8) == pytest.approx(80.0 / 10.0 - 3.4 / 1.0)

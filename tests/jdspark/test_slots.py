@@ -156,9 +156,12 @@ def test_sampled_slot_equals_generate(pair, backend):
 
 
 def test_adaptive_re_times_a_width_it_has_not_run(backend):
-    """With a table that always prefers the whole block, every other width is still run twice in a row once per
-    EXPLORE_EVERY steps (so a width warm_up timed badly is re-timed: the second step is the steady-state one
-    collect times), and the scheduler's pick the rest of the time."""
+    """With a table that always prefers the whole block, every other width is still run twice in a row now and
+    then (so a width warm_up timed badly is re-timed: the second step is the steady-state one collect times), at
+    most once per EXPLORE_EVERY steps and, priced by the tokens a narrower step does not verify
+    (``adaptive.retime_extra``), within ``adaptive.PROBE_BUDGET`` of the steps; the scheduler's pick the rest of
+    the time."""
+    from jdspark.adaptive import PROBE_BUDGET, expected_tokens
     from jdspark.slots import EXPLORE_EVERY
 
     be = backend
@@ -175,15 +178,24 @@ def test_adaptive_re_times_a_width_it_has_not_run(backend):
             be.params[s, 3], be.modes[s] = G, "adaptive"
         be.tracker.curve_SG[:4] = 0.9
         picks = []
-        for _ in range(3 * EXPLORE_EVERY):
+        n_steps = 1000
+        for _ in range(n_steps):
             w = be.choose_width([0, 1, 2, 3])
             be.ran(4, w)
             picks.append(w)
         others = [w for w in picks if w != G + 1]
         assert sorted(set(others)) == [w for w in be.widths if w != G + 1]
-        assert len(others) <= 2 * 3 * len(be.widths)  # a few re-timing steps, not a change of policy
         runs = [(w, len(list(g))) for w, g in itertools.groupby(picks) if w != G + 1]
         assert runs and all(n % 2 == 0 for _, n in runs)  # each re-timing is two steps of its width
+        for w in set(others):  # no width re-timed more often than every EXPLORE_EVERY steps
+            assert others.count(w) <= 2 * (n_steps // EXPLORE_EVERY + 1)
+        # what the re-timings cost in tokens: each step of width w commits E(w) where the whole block commits
+        # E(G + 1) at the same cost (the flat table); the loss stays within the budget (+ one round of rounding)
+        curves, caps = be.tracker.curve_SG[:4], be.params[:4, 3].astype(np.int64)
+        e = {w: expected_tokens(curves, caps, w) for w in be.widths}
+        lost = sum(1 - e[w] / e[G + 1] for w in others)
+        assert lost <= PROBE_BUDGET * n_steps + 2 * len(be.widths)
+        assert lost > 0.5 * PROBE_BUDGET * n_steps / len(be.widths)  # and they do happen: a budget, not a ban
     finally:
         (be.costs, be.timings, be._adaptive_steps, be._last_run, be.modes, be.params,
          be.tracker.curve_SG, be._explore) = saved
