@@ -289,14 +289,17 @@ class SlotBackend:
         width whose two steps cost more (``adaptive.retime_extra`` against what the scheduler would run for these
         slots now, the budget ``adaptive.PROBE_BUDGET`` shared by the widths re-timed: ``probe_interval``). A
         narrow width in place of a whole block costs the drafts it does not verify, which a price in time alone
-        missed: at b = 1-2 every width was re-timed every 64 steps, ~4% of a cell's tokens."""
+        missed: under a flat table every narrower width was re-timed every EXPLORE_EVERY steps, 2.9% of the tokens
+        in ``test_adaptive_re_times_a_width_it_has_not_run``, now within the budget."""
+        idle = {w: self._adaptive_steps[b] - self._last_run.get((b, w), 0) for w in self.widths}
+        due = [w for w in self.widths if idle[w] > EXPLORE_EVERY]
+        if not due:  # the usual step: nothing to price
+            return []
         curves = self.tracker.curve_SG[list(slots)]
         expected = {w: expected_tokens(curves, caps, w) for w in self.widths}
         costs = {w: self.costs[(b, w)] for w in self.widths}
         share = len(self.widths) - 1
-        return [w for w in self.widths
-                if self._adaptive_steps[b] - self._last_run.get((b, w), 0)
-                > max(EXPLORE_EVERY, probe_interval(2 * share * retime_extra(expected, costs, w)))]
+        return [w for w in due if idle[w] > probe_interval(2 * share * retime_extra(expected, costs, w))]
 
     def ran(self, b: int, W: int) -> None:
         """Bookkeeping of a step launched at batch bucket b and width W (for ``EXPLORE_EVERY``)."""
@@ -399,7 +402,10 @@ class SlotBackend:
     def warm_up(self, reps: int = 5) -> dict:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
         verification also time each step program (``reps`` runs after its compile; their median) into the cost
-        table the scheduler reads. Returns the table {(batch, width): seconds}."""
+        table the scheduler reads, per step of a launch as serving launches them (``steps_for``: at small buckets
+        several steps a launch, whose host round trip a single step's timing would charge to one step: a 1 x 8
+        step timed alone at 12.5 ms was served at ~7.5, which kept the whole block out until served steps
+        re-timed it). Returns the table {(batch, width): seconds}."""
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
@@ -413,11 +419,12 @@ class SlotBackend:
                     self.step(list(range(b)), width=w)  # compile
                     if self.steps_for(b) > 1:
                         self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
-                if self.adaptive:
+                if self.adaptive:  # timed as served: a launch of steps_for(b) steps, per step
+                    k = self.steps_for(b)
                     for _ in range(max(1, reps)):
                         t0 = time.perf_counter()
-                        self.step(list(range(b)), width=w)
-                        timings.observe((b, w), time.perf_counter() - t0)
+                        self.collect(self.launch(list(range(b)), width=w, steps=k))
+                        timings.observe((b, w), (time.perf_counter() - t0) / k)
         for s in range(self.num_slots):
             self.free(s)
             self.tracker.reset(s)
