@@ -14,7 +14,8 @@ is sent per request (``speculative`` false for off; ``spec_mode`` fixed or adapt
 (``--temperatures 0,1``) cells. Each cell runs ``--rounds`` times, the modes of one concurrency alternating round
 by round, and reports its median round (all rounds' tok/s in ``output_tok_s_rounds``): on a shared 2-core machine
 one run of a cell moves by a fifth (two rounds of identical steps, adaptive choosing the whole block every time as
-fixed does, came out 10% apart either way), hence 5 rounds and at least 8 requests a cell by default. Only loopback or the given ``--url`` is contacted; every loop is bounded.
+fixed does, came out 10% apart either way), hence 5 rounds and at least 8 requests a cell by default. Only
+loopback or the given ``--url`` is contacted; every loop is bounded.
 """
 
 from __future__ import annotations
