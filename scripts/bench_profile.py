@@ -42,21 +42,19 @@ def op_names(hlo_text: str) -> dict:
     return {m.group(1): m.group(2) for m in _OP.finditer(hlo_text)}
 
 
+def _innermost(op_name: str, scopes: tuple, default: str) -> str:
+    """The innermost of ``scopes`` in an op's scope path (a whole path part, not a substring), else ``default``."""
+    return next((p for p in reversed(op_name.split("/")) if p in scopes), default)
+
+
 def phase_of(op_name: str) -> str:
-    """The innermost of PHASES in an op's scope path (``.../while/body/draft/...`` -> draft), else other."""
-    parts = op_name.split("/")
-    for p in reversed(parts):
-        if p in PHASES:
-            return p
-    return "other"
+    """The step's phase an op ran in (``.../while/body/draft/...`` -> draft), else other."""
+    return _innermost(op_name, PHASES, "other")
 
 
 def part_of(op_name: str) -> str:
     """The target pass's part an op belongs to (``.../verify/moe/...`` -> moe), else ``rest``."""
-    for p in reversed(op_name.split("/")):
-        if p in PARTS:
-            return p
-    return "rest"
+    return _innermost(op_name, PARTS, "rest")
 
 
 def self_times(events) -> list:
