@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jdspark import rng
+
 _NEG = -jnp.inf
 _NUCLEUS_FAST_K = 64  # top-p looks for its boundary among the 64 most likely tokens first
 
@@ -235,7 +237,8 @@ def draw(key, logw_XV):
     costs ~0.2 ms per 4096 of them, more than the small model's verify of a token); for the rest's V only when a
     row picks the rest (a ``lax.cond``; never when the support fits in the 64, where m_rest = -inf). Under a
     batch's vmap the cond runs both branches, with the same values, and the step then costs what one Gumbel draw
-    over V costs. Not an inverse CDF from one uniform: that maps rounding-level differences in the weights (the
+    over V costs. The noise comes from ``jdspark.rng`` (Threefry unrolled: a ``jax.random`` call is a rolled loop
+    on CPU, ~30 us whatever its size), one call for the set's and the candidates' numbers. Not an inverse CDF from one uniform: that maps rounding-level differences in the weights (the
     serving engine's batched programs and batch-1 generate round differently) to a different token whenever the
     uniform falls near any of the support's boundaries, where Gumbel-max (each stage of it) changes only on a
     near-tie of the two best perturbed scores."""
@@ -243,16 +246,18 @@ def draw(key, logw_XV):
     K = min(_NUCLEUS_FAST_K, V)
     logw = logw_XV.astype(jnp.float32)
     if K == V:
-        return jax.random.categorical(key, logw, axis=-1).astype(jnp.int32)
-    k_set, k_top, k_rest = jax.random.split(key, 3)
+        return jnp.argmax(logw + rng.gumbel(key, logw.shape), axis=-1).astype(jnp.int32)
+    k_now, k_rest = rng.split(key)
     top_XK, idx_XK = jax.lax.top_k(logw, K)
     rest_XV = jnp.put_along_axis(logw, idx_XK, _NEG, axis=-1, inplace=False)
     mass_X2 = jnp.stack([jax.nn.logsumexp(top_XK, axis=-1), jax.nn.logsumexp(rest_XV, axis=-1)], axis=-1)
-    in_rest = jnp.argmax(mass_X2 + jax.random.gumbel(k_set, mass_X2.shape), axis=-1) == 1
-    best = jnp.argmax(top_XK + jax.random.gumbel(k_top, top_XK.shape), axis=-1)
+    g = rng.gumbel(k_now, top_XK.shape[:-1] + (2 + K,))  # the set's 2 and the 64 candidates', one call
+    in_rest = jnp.argmax(mass_X2 + g[..., :2], axis=-1) == 1
+    best = jnp.argmax(top_XK + g[..., 2:], axis=-1)
     from_top = jnp.take_along_axis(idx_XK, best[..., None], axis=-1)[..., 0].astype(jnp.int32)
     from_rest = jax.lax.cond(jnp.any(in_rest),
-                             lambda: jax.random.categorical(k_rest, rest_XV, axis=-1).astype(jnp.int32),
+                             lambda: jnp.argmax(rest_XV + rng.gumbel(k_rest, rest_XV.shape), axis=-1).astype(
+                                 jnp.int32),
                              lambda: jnp.zeros_like(from_top))
     return jnp.where(in_rest, from_rest, from_top)
 
@@ -264,11 +269,11 @@ def _draw_blocks(key, logw_XV, block: int = 64):
     nb = -(-V // block)
     w = jnp.pad(logw_XV, [(0, 0)] * (logw_XV.ndim - 1) + [(0, nb * block - V)], constant_values=_NEG)
     w = w.reshape(logw_XV.shape[:-1] + (nb, block))
-    k_blk, k_in = jax.random.split(key)
     mass = jax.nn.logsumexp(w, axis=-1)
-    b = jnp.argmax(mass + jax.random.gumbel(k_blk, mass.shape), axis=-1)
+    g = rng.gumbel(key, mass.shape[:-1] + (nb + block,))  # the blocks' and the chosen block's, one call
+    b = jnp.argmax(mass + g[..., :nb], axis=-1)
     row = jnp.take_along_axis(w, b[..., None, None], axis=-2)[..., 0, :]
-    j = jnp.argmax(row + jax.random.gumbel(k_in, row.shape), axis=-1)
+    j = jnp.argmax(row + g[..., nb:], axis=-1)
     return (b * block + j).astype(jnp.int32)
 
 
@@ -353,13 +358,13 @@ def accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: Sa
     the first rejection j resample from norm(max(p_j - q_j, 0)); if all verified drafts pass, the bonus comes
     from p at the next position. Drafts past n_verify count as not drafted. Returns (n_accepted, next_token)."""
     G = drafts_G.shape[0]
-    k_u, k_res = jax.random.split(key)
+    k_u, k_res = rng.split(key)
     logp_G1V = process_logits(target_logits_G1V, sp)
     p_G1V = jnp.exp(logp_G1V)
     q_GV = jnp.exp(logq_GV)
     p_d = jnp.take_along_axis(p_G1V[:G], drafts_G[:, None], axis=-1)[:, 0]
     q_d = jnp.take_along_axis(q_GV, drafts_G[:, None], axis=-1)[:, 0]
-    u = jax.random.uniform(k_u, (G,))
+    u = rng.uniform(k_u, (G,))
     ok = (u * q_d < p_d) & (jnp.arange(G) < n_verify)
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
     rejected = n_acc < jnp.minimum(n_verify, G)

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from jdspark import rng
 from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
 from jdspark.sampling import SamplingParams, accept, propose, sample, unless_greedy
@@ -151,7 +152,7 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
 
         return unless_greedy(sp, sampled, greedy)
 
-    drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, jax.random.split(key, G),
+    drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, rng.split(key, G),
                                                  confidence=want)
     drafts_G, logq_GV, conf_G = drafts[0], logq[0], conf[0]
     survival = jnp.cumprod(jax.nn.sigmoid(conf_G)) if want else None
@@ -282,7 +283,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
                                                  taps_fn=to_drafter if drafter is not None else None,
                                                  taps_init=dcache)
         last_logits = last_1V[0]
-    k0, key = jax.random.split(key)
+    k0, key = rng.split(key)
     first = sample(k0, last_logits[None], sp)
     return Stream(first, cache, dcache, key), first
 
@@ -294,7 +295,7 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None):
     decoded position's taps are appended to the drafter's context too, as a verified block's are, so the next
     block reads every committed position. Without it each plain step left a hole in the context, the drafts after
     a run of plain steps got worse, and adaptive verification, seeing them fail, stepped plainly again."""
-    key, k = jax.random.split(st.key)
+    key, k = rng.split(st.key)
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     with jax.named_scope("decode"):  # the phase's name in profiles (scripts/bench_profile.py)
         res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
@@ -322,7 +323,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     if not 1 <= W <= G + 1:
         raise ValueError(f"width: expected 1..{G + 1}, got {W}")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids)
-    key, k_draft, k_acc = jax.random.split(st.key, 3)
+    key, k_draft, k_acc = rng.split(st.key, 3)
     n = st.cache.length  # [1]
     with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
         drafts_G, logq_GV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,
