@@ -28,17 +28,19 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["expected_tokens", "choose_width", "monotone_costs", "CostTable", "calibrated", "SurvivalTracker",
-           "next_width", "probe_interval", "retime_extra", "PROBE_BUDGET"]
+__all__ = ["expected_tokens", "expected_by_width", "choose_width", "monotone_costs", "CostTable", "calibrated",
+           "SurvivalTracker", "next_width", "probe_interval", "retime_extra", "PROBE_BUDGET"]
 
 # The share of serving time the scheduler's probes may cost beyond what it would have run: a refresh (a drafting
 # step after a run of plain ones) and a re-timing of a width it has not picked. A probe that costs ``extra`` plain
 # steps more than a plain step runs once every ``probe_interval(extra)`` steps, so its cost stays at this share at
-# every batch: at b = 1 a one-draft step costs ~1.2 plain steps (refresh every ~9), at b = 16 ~2.2 (every ~62,
+# every batch: at b = 1 a one-draft step costs ~1.2 plain steps (refresh every ~20), at b = 16 ~2.2 (every ~120,
 # where the eleventh session's fixed 8 spent ~14% of a c = 16 cell on refreshes that could not pay). A re-timing
 # is priced by ``retime_extra``: against the width the scheduler would run, a narrower one costs the tokens it does
-# not verify, a wider one its time.
-PROBE_BUDGET = 0.02
+# not verify, a wider one its time. 1%, not the 2% it was: at c = 1 the whole block is nearly always the pick, so
+# the probes are what adaptive loses to fixed there (the twenty-third session: ~7% of launches at b = 1 were
+# re-timings, verified tokens per step 7.5 of 8, ~2% slower than fixed without HTTP).
+PROBE_BUDGET = 0.01
 
 
 def probe_interval(extra_steps: float, budget: float = PROBE_BUDGET) -> float:
@@ -70,6 +72,18 @@ def expected_tokens(survival_RG: np.ndarray, caps_R: np.ndarray, width: int) -> 
     n_drafts = np.minimum(int(width) - 1, np.asarray(caps_R, np.int64))  # [R]
     k = np.arange(surv.shape[1])[None, :]
     return float(np.sum(1.0 + np.sum(np.where(k < n_drafts[:, None], surv, 0.0), axis=1)))
+
+
+def expected_by_width(survival_RG: np.ndarray, caps_R: np.ndarray, widths: Sequence[int]) -> dict:
+    """{W: ``expected_tokens(survival_RG, caps_R, W)``} for every width at once, from one cumulative sum per row
+    (the scheduler's per-launch host work: every served step waits on it)."""
+    surv = np.asarray(survival_RG, np.float64)
+    cum_RG1 = np.concatenate([np.zeros((surv.shape[0], 1)), np.cumsum(surv, axis=1)], axis=1)
+    caps = np.minimum(np.asarray(caps_R, np.int64), surv.shape[1])
+    w_W = np.asarray(list(widths), np.int64)
+    n_RW = np.minimum(w_W[None, :] - 1, caps[:, None])
+    e_W = surv.shape[0] + np.take_along_axis(cum_RG1, n_RW, axis=1).sum(axis=0)
+    return {int(w): float(e) for w, e in zip(w_W, e_W)}
 
 
 def monotone_costs(costs: Mapping[tuple, float]) -> dict:
@@ -123,10 +137,11 @@ def choose_width(survival_RG: np.ndarray, caps_R: np.ndarray, batch: int, widths
                  costs: Mapping[tuple, float]) -> tuple:
     """argmax_W sum_r E_r(W) / T(batch, W) over ``widths``. Returns (W, expected tokens, seconds)."""
     best = None
+    expected = expected_by_width(survival_RG, caps_R, widths)
     for w in sorted(widths):
         if (batch, w) not in costs:
             raise KeyError(f"no measured cost for batch {batch} x width {w}; profile it first (warm_up)")
-        e = expected_tokens(survival_RG, caps_R, w)
+        e = expected[w]
         t = costs[(batch, w)]
         if best is None or e / t > best[1] / best[2] * (1 + 1e-9):
             best = (int(w), e, t)
@@ -152,7 +167,10 @@ class SurvivalTracker:
     Every verified block updates, per position k it verified, decayed sums of the predicted survival a_k and of
     the outcome [accepted > k]; ratio_k = (hits_k + 1) / (predicted_k + 1) rescales later curves (``calibrated``).
     The outcomes are those of finished steps, so a width chosen from them is still fixed before the next step's
-    drafts are drawn (lossless under sampling).
+    drafts are drawn (lossless under sampling). ``calibration_decay`` 0.998 (a window of ~500 blocks): with 0.95
+    (~20 blocks) one hard prompt swung the tail ratios to ~0.2-0.5 and a served stream at b = 1 verified 4 tokens
+    on 22-45% of its steps, 3-8% slower per token than the whole block; with 0.998 the ratios stay within
+    0.83-1.02 of the head's and adaptive runs level with fixed (docs/serving.md).
 
     Refresh: a plain step drafts nothing, so it tells the tracker nothing; a slot that went plain on a pessimistic
     curve (and a prior and calibration pulled down by a hard stretch) would stay plain for good, since nothing it
@@ -165,7 +183,7 @@ class SurvivalTracker:
     without it the scheduler went plain for good partway through, 0.74-0.84x fixed; with it 1.04-1.17x fixed."""
 
     def __init__(self, num_slots: int, block_size: int, *, momentum: float = 0.9, relax: float = 0.25,
-                 calibration_decay: float = 0.95, refresh_budget: float = PROBE_BUDGET, refresh_min: int = 8):
+                 calibration_decay: float = 0.998, refresh_budget: float = PROBE_BUDGET, refresh_min: int = 8):
         if refresh_budget < 0:
             raise ValueError(f"refresh_budget: expected >= 0, got {refresh_budget}")
         if refresh_min < 1:

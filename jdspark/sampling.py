@@ -234,14 +234,14 @@ def draw(key, logw_XV):
         P(i) = (m_set / (m_top + m_rest)) * (w_i / m_set) = w_i / sum_j w_j.
 
     Gumbel noise for the 64 candidates always (``lax.top_k`` in place of V uniform numbers: threefry on this CPU
-    costs ~0.2 ms per 4096 of them, more than the small model's verify of a token); for the rest's V only when a
-    row picks the rest (a ``lax.cond``; never when the support fits in the 64, where m_rest = -inf). Under a
-    batch's vmap the cond runs both branches, with the same values, and the step then costs what one Gumbel draw
-    over V costs. The noise comes from ``jdspark.rng`` (Threefry unrolled: a ``jax.random`` call is a rolled loop
-    on CPU, ~30 us whatever its size), one call for the set's and the candidates' numbers. Not an inverse CDF from one uniform: that maps rounding-level differences in the weights (the
-    serving engine's batched programs and batch-1 generate round differently) to a different token whenever the
-    uniform falls near any of the support's boundaries, where Gumbel-max (each stage of it) changes only on a
-    near-tie of the two best perturbed scores."""
+    costs ~0.2 ms per 4096 of them, more than the small model's verify of a token); for the rest's V only when a row
+    picks the rest (a ``lax.cond``; never when the support fits in the 64, where m_rest = -inf). Under a batch's
+    vmap the cond runs both branches, with the same values, and the step then costs what one Gumbel draw over V
+    costs. The noise comes from ``jdspark.rng`` (Threefry unrolled: a ``jax.random`` call is a rolled loop on CPU,
+    ~30 us whatever its size), one call for the set's and the candidates' numbers. Not an inverse CDF from one
+    uniform: that maps rounding-level differences in the weights (the serving engine's batched programs and batch-1
+    generate round differently) to a different token whenever the uniform falls near any of the support's
+    boundaries, where Gumbel-max (each stage of it) changes only on a near-tie of the two best perturbed scores."""
     V = logw_XV.shape[-1]
     K = min(_NUCLEUS_FAST_K, V)
     logw = logw_XV.astype(jnp.float32)

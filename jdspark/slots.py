@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.adaptive import CostTable, SurvivalTracker, expected_tokens, next_width, probe_interval, retime_extra
+from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -296,7 +296,7 @@ class SlotBackend:
         if not due:  # the usual step: nothing to price
             return []
         curves = self.tracker.curve_SG[list(slots)]
-        expected = {w: expected_tokens(curves, caps, w) for w in self.widths}
+        expected = expected_by_width(curves, caps, self.widths)
         costs = {w: self.costs[(b, w)] for w in self.widths}
         share = len(self.widths) - 1
         return [w for w in due if idle[w] > probe_interval(2 * share * retime_extra(expected, costs, w))]

@@ -11,6 +11,7 @@ from jdspark.adaptive import (
     CostTable,
     SurvivalTracker,
     choose_width,
+    expected_by_width,
     expected_tokens,
     monotone_costs,
     next_width,
@@ -39,6 +40,18 @@ def test_expected_tokens_equals_a_simulated_acceptance_process():
             assert abs(committed.mean() - one) < 5 * committed.std() / np.sqrt(n) + 1e-12, (W, r)
         assert expected_tokens(surv, caps, W) == pytest.approx(total, abs=0.02)
     assert expected_tokens(surv, caps, 1) == 3.0  # width 1: the bonus only
+
+
+def test_expected_by_width_equals_expected_tokens_per_width():
+    """The scheduler's one-pass form against the per-width definition, caps below, at and above the block."""
+    rng = np.random.default_rng(5)
+    surv = np.cumprod(rng.uniform(0.2, 1.0, size=(6, 7)), axis=1)
+    caps = np.array([0, 1, 3, 7, 9, 7])
+    widths = (1, 2, 3, 4, 6, 8)
+    got = expected_by_width(surv, caps, widths)
+    assert list(got) == list(widths)
+    for w in widths:
+        assert got[w] == pytest.approx(expected_tokens(surv, caps, w), rel=1e-12)
 
 
 def test_choose_width_is_the_brute_force_argmax():

@@ -260,7 +260,7 @@ def test_adaptive_drafts_again_after_a_run_of_plain_steps(backend):
         be.tracker.plain_run_S[:4] = 0
         cheapest = min(w for w in be.widths if w > 1)
         after = probe_interval(be.costs[(4, cheapest)] / be.costs[(4, 1)] - 1)
-        assert after == 75  # width 4: (1 + 4) / (1 + 1) - 1 = 1.5 plain steps extra, at a budget of 0.02
+        assert after == 150  # width 4: (1 + 4) / (1 + 1) - 1 = 1.5 plain steps extra, at a budget of 0.01
         picks = []
         for _ in range(after + 1):
             picks.append(be.choose_width([0, 1, 2, 3]))
