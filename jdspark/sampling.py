@@ -233,7 +233,7 @@ def draw(key, logw_XV):
 
         P(i) = (m_set / (m_top + m_rest)) * (w_i / m_set) = w_i / sum_j w_j.
 
-    Gumbel noise for the 64 candidates always (``lax.top_k`` in place of V uniform numbers: threefry on this CPU
+    Gumbel noise for the 64 candidates always (``lax.top_k`` in place of V uniform numbers: jax.random on this CPU
     costs ~0.2 ms per 4096 of them, more than the small model's verify of a token); for the rest's V only when a row
     picks the rest (a ``lax.cond``; never when the support fits in the 64, where m_rest = -inf). Under a batch's
     vmap the cond runs both branches, with the same values, and the step then costs what one Gumbel draw over V
