@@ -108,7 +108,16 @@ class CostTable:
     A median, not a running mean: one step that waited on something else (a burst of host work, another
     process) is an outlier the median ignores, where a running mean would carry it until that width runs again,
     and a width that is not picked does not run again (the ninth session's load test: a b = 1 step timed across
-    the prefills of fifteen arriving requests priced every width at 93 ms)."""
+    the prefills of fifteen arriving requests priced every width at 93 ms).
+
+    Drift (``served=True`` observations): the machine's load moves every width's cost together (one process here
+    timed b = 16, W = 4 at 29.9 and then 40.8 ms), but only the width being served is timed, so a width not run
+    for a while kept a cost from another time and the comparison tilted (a W = 8 median risen to 8.7 ms against a
+    stale W = 4 at 6.6 narrowed a c = 1 stream for nothing). When a served key's full window moves its median by a
+    factor f and that key is the one running (most of its batch's last ``window`` observations), every stale key of
+    the batch (none of those observations) is scaled by f too; a re-timing then corrects what is the width's own
+    (and, not running, does not propagate). Warm-up's observations do not propagate (each key
+    is timed in turn there, its first samples moving its median by large steps)."""
 
     def __init__(self, window: int = 9):
         if window < 1:
@@ -117,6 +126,7 @@ class CostTable:
         self.samples: dict = {}  # (batch, width) -> deque of seconds
         self.medians: dict = {}  # (batch, width) -> the median of its samples (only the observed key changes)
         self.table: dict = {}
+        self.recent: dict = {}  # batch -> deque of the keys of its last ``window`` observations
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -124,12 +134,24 @@ class CostTable:
     def __contains__(self, key) -> bool:
         return key in self.samples
 
-    def observe(self, key: tuple, seconds: float) -> None:
+    def observe(self, key: tuple, seconds: float, *, served: bool = False) -> None:
         if not (seconds > 0 and np.isfinite(seconds)):
             raise ValueError(f"a step time must be a positive finite number of seconds, got {seconds}")
         key = tuple(key)
-        self.samples.setdefault(key, collections.deque(maxlen=self.window)).append(float(seconds))
-        self.medians[key] = statistics.median(self.samples[key])  # every served step calls this: pure Python
+        b = key[0]
+        samples = self.samples.setdefault(key, collections.deque(maxlen=self.window))
+        old = self.medians.get(key) if len(samples) == self.window else None
+        samples.append(float(seconds))
+        self.medians[key] = statistics.median(samples)  # every served step calls this: pure Python
+        recent = self.recent.setdefault(b, collections.deque(maxlen=self.window))
+        recent.append(key)
+        running = recent.count(key) > self.window // 2  # most of the batch's latest steps: not a re-timing
+        if served and running and old is not None and self.medians[key] != old:
+            f = self.medians[key] / old
+            for k in self.medians:
+                if k[0] == b and k not in recent:
+                    self.samples[k] = collections.deque((x * f for x in self.samples[k]), maxlen=self.window)
+                    self.medians[k] *= f
         self.table = monotone_costs(self.medians)
 
 

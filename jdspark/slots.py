@@ -367,7 +367,7 @@ class SlotBackend:
         # block's commit), and not when it shared the device with a prefill (an insert between launch and now)
         if (h["timed"] and key in self.timings and h["prefills"] == sum(self.inserts)
                 and self._last_key == last):
-            self.timings.observe(key, (done - max(h["launched"], self._last_done)) / k_steps)
+            self.timings.observe(key, (done - max(h["launched"], self._last_done)) / k_steps, served=True)
             self.costs = self.timings.table
         self._last_done, self._last_key = done, last
         new = np.asarray(new).reshape(k_steps, b, -1)

@@ -111,6 +111,37 @@ def test_cost_table_is_the_median_of_recent_timings_made_monotone():
         CostTable(window=0)
 
 
+def test_cost_table_carries_a_served_width_s_drift_to_widths_not_run():
+    """The load moves every width's cost: when the running key's median (most of its batch's recent observations)
+    rises by f, every stale key of its batch (none of them) scales by f, so the choice between them stays; a key
+    observed recently keeps its own, another batch is untouched, warm-up's (unserved) observations do not
+    propagate, and re-timings (one timed step now and then) correct a stale key without propagating."""
+    t = CostTable(window=5)
+    for w, c in ((1, 1.0), (4, 1.5), (8, 2.0)):
+        for _ in range(5):
+            t.observe((1, w), c)  # warm-up: each key in turn
+    t.observe((2, 8), 5.0)
+    assert t.table[(1, 4)] == 1.5 and t.table[(1, 1)] == 1.0  # unserved: nothing propagated
+    surv, caps = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]]), np.array([7])
+    before = choose_width(surv, caps, 1, (1, 4, 8), t.table)[0]
+    for _ in range(5):
+        t.observe((1, 8), 3.0, served=True)  # the machine got 1.5x slower while the whole block was served
+    assert t.table[(1, 8)] == pytest.approx(3.0)
+    assert t.table[(1, 4)] == pytest.approx(2.25) and t.table[(1, 1)] == pytest.approx(1.5)
+    assert t.table[(2, 8)] == 5.0  # another batch bucket
+    assert choose_width(surv, caps, 1, (1, 4, 8), t.table)[0] == before == 8
+    stale = dict(t.table)  # without the drift, a stale W = 4 at 1.5 against W = 8 at 3.0 narrows the step
+    stale[(1, 4)], stale[(1, 1)] = 1.5, 1.0
+    assert choose_width(surv, caps, 1, (1, 4, 8), stale)[0] == 4
+    for w in (4, 8, 8, 4, 8, 4):  # re-timings of W = 4 between served whole blocks: its own cost, 2.0
+        t.observe((1, w), 2.0 if w == 4 else 3.0, served=True)
+    assert t.table[(1, 4)] == pytest.approx(2.0) and t.table[(1, 1)] == pytest.approx(1.5)
+    for _ in range(3):
+        t.observe((1, 8), 4.0, served=True)  # W = 8's median 3.0 -> 4.0, W = 4 among the last 5 observations
+    assert t.table[(1, 4)] == pytest.approx(2.0)  # recent: its own
+    assert t.table[(1, 1)] == pytest.approx(2.0)  # stale: 1.5 x 4.0 / 3.0
+
+
 def test_tracker():
     tr = SurvivalTracker(2, 3, momentum=0.5, relax=0.5)
     assert (tr.curve_SG == 1).all()
