@@ -116,8 +116,8 @@ class CostTable:
     stale W = 4 at 6.6 narrowed a c = 1 stream for nothing). When a served key's full window moves its median by a
     factor f and that key is the one running (most of its batch's last ``window`` observations), every stale key of
     the batch (none of those observations) is scaled by f too; a re-timing then corrects what is the width's own
-    (and, not running, does not propagate). Warm-up's observations do not propagate (each key
-    is timed in turn there, its first samples moving its median by large steps)."""
+    (and, not running, does not propagate). Warm-up's observations do not propagate (each key is timed in turn
+    there, its first samples moving its median by large steps)."""
 
     def __init__(self, window: int = 9):
         if window < 1:
