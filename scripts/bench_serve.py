@@ -12,7 +12,9 @@ tokens per slot per step (``jdspark:verified_tokens_per_step``), and the adaptiv
 width at the cell's batch bucket after the cell (``step_cost_ms``, from ``jdspark:step_cost_seconds``). The mode
 is sent per request (``speculative`` false for off; ``spec_mode`` fixed or adaptive). Greedy and sampled
 (``--temperatures 0,1``) cells. Each cell runs ``--rounds`` times, the modes of one concurrency alternating round
-by round, and reports its median round (all rounds' tok/s in ``output_tok_s_rounds``): on a shared 2-core machine
+by round (in order, then in reverse: a drift of the machine's speed within a round favours no mode), and reports
+its median round (all rounds' tok/s in ``output_tok_s_rounds``); the summary's ratios between modes are medians
+of per-round ratios (``paired_ratio``). On a shared 2-core machine
 one run of a cell moves by a fifth (two rounds of identical steps, adaptive choosing the whole block every time as
 fixed does, came out 10% apart either way), hence 5 rounds and at least 8 requests a cell by default. Only
 loopback or the given ``--url`` is contacted; every loop is bounded.
@@ -103,27 +105,40 @@ def _stats_ms(xs) -> dict:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
 
+def paired_ratio(a: dict, b: dict) -> float:
+    """Cell ``a``'s aggregate tok/s over cell ``b``'s: the median over rounds of the per-round ratios when both ran
+    the same rounds side by side (``output_tok_s_rounds``, in round order), else the ratio of their medians. A
+    round's two cells ran minutes apart at most, so the machine's slow drift (other tenants) cancels in each
+    ratio; a ratio of two medians taken from different rounds keeps it."""
+    ra, rb = a.get("output_tok_s_rounds"), b.get("output_tok_s_rounds")
+    if ra and rb and len(ra) == len(rb):
+        return float(np.median(np.asarray(ra) / np.asarray(rb)))
+    return a["output_tok_s"] / b["output_tok_s"]
+
+
 def summarize(cells) -> list:
-    """Per temperature, the ratios the issue's acceptance asks for (aggregate tok/s, side by side in one run):
-    the best mode at the highest concurrency over the best at the lowest; fixed and adaptive over off at the lowest
-    concurrency; adaptive over the better of off and fixed at every concurrency."""
+    """Per temperature, the ratios the issue's acceptance asks for (aggregate tok/s): the best mode at the highest
+    concurrency over the best at the lowest (medians: those cells do not run side by side); fixed and adaptive over
+    off at the lowest concurrency, and adaptive over the better of off and fixed (the better by median tok/s) at
+    every concurrency, each the median of its per-round ratios (``paired_ratio``)."""
     out = []
     for temp in sorted({c["temperature"] for c in cells}):
-        by = {(c["mode"], c["concurrency"]): c["output_tok_s"] for c in cells if c["temperature"] == temp}
+        by = {(c["mode"], c["concurrency"]): c for c in cells if c["temperature"] == temp}
         conc = sorted({k[1] for k in by})
         lo, hi = conc[0], conc[-1]
 
         def best(c):
-            return max(v for (m, cc), v in by.items() if cc == c)
+            return max((v for (m, cc), v in by.items() if cc == c), key=lambda v: v["output_tok_s"])
 
-        row = {"temperature": temp, f"best_c{hi}_over_best_c{lo}": best(hi) / best(lo)}
+        row = {"temperature": temp,
+               f"best_c{hi}_over_best_c{lo}": best(hi)["output_tok_s"] / best(lo)["output_tok_s"]}
         for m in ("fixed", "adaptive"):
             if (m, lo) in by and ("off", lo) in by:
-                row[f"{m}_over_off_c{lo}"] = by[(m, lo)] / by[("off", lo)]
+                row[f"{m}_over_off_c{lo}"] = paired_ratio(by[(m, lo)], by[("off", lo)])
         if all(("adaptive", c) in by and ("off", c) in by and ("fixed", c) in by for c in conc):
-            row["adaptive_over_best_of_off_fixed"] = {str(c): by[("adaptive", c)] / max(by[("off", c)],
-                                                                                       by[("fixed", c)])
-                                                      for c in conc}
+            row["adaptive_over_best_of_off_fixed"] = {
+                str(c): paired_ratio(by[("adaptive", c)], max(by[("off", c)], by[("fixed", c)],
+                                                             key=lambda v: v["output_tok_s"])) for c in conc}
         out.append(row)
     return out
 
@@ -272,8 +287,8 @@ def main(argv=None) -> int:
         for temp in temps:
             for c in conc:
                 rounds = {m: [] for m in modes}
-                for r in range(a.rounds):  # the modes of one concurrency side by side, round after round
-                    for mode in modes:
+                for r in range(a.rounds):  # the modes of one concurrency side by side, round after round,
+                    for mode in (modes if r % 2 == 0 else modes[::-1]):  # in turn forward and backward (ABBA)
                         cell = run_cell(url, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c))
                         rounds[mode].append(cell)
                         print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "

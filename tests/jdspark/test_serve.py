@@ -8,6 +8,7 @@ import re
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from tests.jdspark.serve_helpers import LiveServer, expected_text
@@ -260,6 +261,32 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
     for mode in ("sometimes", "adaptive"):  # not a mode; not offered by a server started with --spec fixed
         r = httpx.post(soak_srv.url + "/v1/completions", json={"prompt": "x", "spec_mode": mode})
         assert r.status_code == 400 and r.json()["error"]["param"] == "spec_mode"
+
+
+def test_bench_serve_summary_pairs_rounds():
+    """Ratios between modes are medians of per-round ratios: a machine that slows by half from one round to the
+    next moves both modes' cells, and the paired ratio sees none of it where a ratio of medians would."""
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench_serve
+
+    def cell(mode, c, rounds):
+        return {"mode": mode, "concurrency": c, "temperature": 0.0, "output_tok_s": float(np.median(rounds)),
+                "output_tok_s_rounds": list(rounds)}
+
+    speed = [100.0, 50.0, 100.0, 50.0, 50.0]  # the machine, round by round
+    cells = [cell("off", 1, [s * 1.0 for s in speed]), cell("fixed", 1, [s * 2.0 for s in speed]),
+             cell("adaptive", 1, [s * 2.2 for s in speed[1:]] + [100.0 * 2.2]),  # shifted a round: unpaired
+             cell("off", 4, [s * 3.0 for s in speed]), cell("fixed", 4, [s * 5.0 for s in speed]),
+             cell("adaptive", 4, [s * 4.9 for s in speed])]
+    row, = bench_serve.summarize(cells)
+    assert row["fixed_over_off_c1"] == pytest.approx(2.0)
+    assert row["adaptive_over_best_of_off_fixed"]["4"] == pytest.approx(0.98)
+    assert row["best_c4_over_best_c1"] == pytest.approx(5.0 / 2.2)  # medians: 250 / 110
+    # unequal round counts fall back to the ratio of medians
+    lone = dict(cells[2], output_tok_s_rounds=[110.0])
+    assert bench_serve.paired_ratio(lone, cells[1]) == pytest.approx(110.0 / 100.0)
 
 
 def test_bench_serve_sizes_a_launched_server_by_its_traffic():
