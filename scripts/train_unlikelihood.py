@@ -102,6 +102,7 @@ def export_as_shipped(model, out_dir: str, tokenizer_dir: str) -> None:
     ``SHARD_BYTES``, the tokenizer files copied; written to a temporary directory, then renamed."""
     parent = os.path.dirname(os.path.abspath(out_dir)) or "."
     tmp = tempfile.mkdtemp(prefix=".ul-export-", dir=parent)
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would become the checkpoint's own mode
     save_checkpoint(to_mxfp4(model, "bfloat16"), tmp, max_shard_bytes=SHARD_BYTES)
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path) as f:
@@ -157,7 +158,8 @@ def train(a) -> dict:
     if start == 0 and a.val_batches:
         metrics.write(json.dumps({"step": 0, "val_bits_per_byte": validate(0)}) + "\n")
     t0 = time.perf_counter()
-    for step in range(start, a.steps):
+    stop = a.steps if a.stop_at is None else min(a.steps, a.stop_at)
+    for step in range(start, stop):
         b = ds.batch_at(step)
         tokens = jnp.asarray(b.tokens)
         prefix = np.concatenate([b.tokens[:, :P], b.tokens[:, half:half + P]], axis=0).astype(np.int32)
@@ -175,13 +177,15 @@ def train(a) -> dict:
         if (step + 1) % a.log_every == 0:
             _log(f"[ul] step {step + 1}/{a.steps} nll {rec['nll']:.3f} ul {rec['ul']:.3f} repeated "
                  f"{rec['repeated_share']:.2f} ({time.perf_counter() - t0:.0f}s)")
-        if (step + 1) % a.ckpt_every == 0 or step + 1 == a.steps:
+        if (step + 1) % a.ckpt_every == 0 or step + 1 == stop:
             _save(mngr, step + 1, params, opt_state, {"step": step + 1})
         if a.val_every and (step + 1) % a.val_every == 0 and a.val_batches:
             metrics.write(json.dumps({"step": step + 1, "val_bits_per_byte": validate(step + 1)}) + "\n")
     mngr.wait_until_finished()
     summary = {"steps": a.steps, "out": str(out)}
-    if a.export:
+    if a.export and stop < a.steps:
+        _log(f"[ul] not exporting: stopped at step {stop} before --steps {a.steps}")
+    elif a.export:
         model = nnx.merge(graphdef, params, frozen)
         export_as_shipped(model, a.export, a.init)
         summary["export"] = a.export
@@ -213,6 +217,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=25)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop at this step (then --resume)")
     p.add_argument("--export", default=None)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
