@@ -108,8 +108,6 @@ def export_as_shipped(model, out_dir: str, tokenizer_dir: str) -> None:
     with open(cfg_path) as f:
         cfg = json.load(f)
     cfg["torch_dtype"] = "float32"  # fp32 compute with the bf16 serving copy's matmuls (the model card says why)
-    for k in ("kda_prefill",):  # the trainer's runtime choice, not the checkpoint's
-        cfg.pop(k, None)
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     copy_tokenizer(tokenizer_dir, tmp)
