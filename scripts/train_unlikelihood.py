@@ -48,6 +48,7 @@ from jdspark.unlikelihood import repeated_ngram_mask, unlikelihood_loss
 from kimi.cache import KimiCache
 from kimi.checkpoint import save_checkpoint
 
+_DATA_ARGS = ("batch", "seq_len", "seed", "prefix_len", "continuation", "ngram")
 SHARD_BYTES = 12 * 2 ** 20  # no committed file over 20 MB (checkpoints/default/README.md)
 
 
@@ -87,7 +88,7 @@ def _ul_loss(params, frozen, seq_BT1, mask_BT, *, graphdef):
 def ul_step(params, opt_state, frozen, tokens_BT1, doc_ids_BT1, seq_BT1, mask_BT, *, graphdef, opt: OptConfig,
             alpha: float):
     def total(p):
-        (nll, (n, correct)) = loss_fn(p, frozen, tokens_BT1, doc_ids_BT1, graphdef=graphdef)
+        nll, _ = loss_fn(p, frozen, tokens_BT1, doc_ids_BT1, graphdef=graphdef)
         ul = _ul_loss(p, frozen, seq_BT1, mask_BT, graphdef=graphdef)
         return nll + alpha * ul, (nll, ul)
 
@@ -134,9 +135,15 @@ def train(a) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     mngr = ckpt_manager(out, 2)
+    data = {k: getattr(a, k) for k in _DATA_ARGS}  # what step s's batch and prefixes depend on, besides s
+    data["init"] = str(Path(a.init).resolve())
     start = 0
     if a.resume and mngr.latest_step() is not None:
         params, opt_state, meta = _restore(mngr, mngr.latest_step(), params, opt_state)
+        for k, v in data.items():  # lr and alpha may change on resume (the model card's run did); the data not
+            if meta.get("data", {}).get(k) != v:
+                raise ValueError(f"--resume: {k} was {meta.get('data', {}).get(k)!r} in the checkpoint, now {v!r}; "
+                                 "the data stream would differ")
         start = int(meta["step"])
         _log(f"[ul] resumed from step {start}")
     ds = jdata.PackedDataset(jdata.read_documents(jdata.list_files(None, "train")), batch=a.batch,
@@ -176,7 +183,7 @@ def train(a) -> dict:
             _log(f"[ul] step {step + 1}/{a.steps} nll {rec['nll']:.3f} ul {rec['ul']:.3f} repeated "
                  f"{rec['repeated_share']:.2f} ({time.perf_counter() - t0:.0f}s)")
         if (step + 1) % a.ckpt_every == 0 or step + 1 == stop:
-            _save(mngr, step + 1, params, opt_state, {"step": step + 1})
+            _save(mngr, step + 1, params, opt_state, {"step": step + 1, "data": data})
         if a.val_every and (step + 1) % a.val_every == 0 and a.val_batches:
             metrics.write(json.dumps({"step": step + 1, "val_bits_per_byte": validate(step + 1)}) + "\n")
     mngr.wait_until_finished()
