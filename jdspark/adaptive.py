@@ -197,7 +197,7 @@ class SurvivalTracker:
     Refresh: a plain step drafts nothing, so it tells the tracker nothing; a slot that went plain on a pessimistic
     curve (and a prior and calibration pulled down by a hard stretch) would stay plain for good, since nothing it
     does can raise them. After a run of plain steps, ``needs_refresh`` asks the scheduler for a drafting width (the
-    cheapest: the drafter scores the whole block at any width), whose block brings a fresh curve and outcome. The
+    cheapest), whose drafts bring a fresh curve and outcome (continued past them by the prior's shape). The
     run's length is ``probe_interval`` of that width's extra cost (``next_width``; ``refresh_budget``, default
     ``PROBE_BUDGET``, 0 never refreshes), and at least ``refresh_min`` (a plain step is not second-guessed at once
     where drafting costs next to nothing). Replayed on the shipped pair's greedy blocks
@@ -232,13 +232,24 @@ class SurvivalTracker:
         return bool(np.any(self.plain_run_S[list(slots)] >= after))
 
     def observe(self, slot: int, survival_G: np.ndarray, drafted: int = None, accepted: int = None) -> None:
-        """A slot's block: its survival curve, and (when given) how many drafts were verified and accepted."""
+        """A slot's block: its survival curve, and (when given) how many drafts were verified and accepted.
+
+        A step narrower than the block decodes only the drafts it verifies (``speculative.draft_block``), so its
+        curve a_1..a_n may stop short of G: the rest continues it by the prior's conditional survival,
+        a_k = a_n * prior_k / prior_n for k > n (what the slot's fresh head says so far, and the traffic's
+        typical decay past it)."""
         raw = np.clip(np.asarray(survival_G, np.float64), 0.0, 1.0)
+        n, G = raw.shape[0], self.prior.shape[0]
+        if not 1 <= n <= G:
+            raise ValueError(f"survival_G: expected 1..{G} positions, got {n}")
         if drafted is not None and accepted is not None and drafted > 0:
-            d = int(drafted)
+            d = min(int(drafted), n)
             self.predicted_G[:d] = self.decay * self.predicted_G[:d] + raw[:d]
             self.hits_G[:d] = self.decay * self.hits_G[:d] + (np.arange(d) < int(accepted))
-        s = calibrated(raw, self.ratio_G)
+        s = calibrated(raw, self.ratio_G[:n])
+        if n < G:
+            tail = s[-1] * self.prior[n:] / max(self.prior[n - 1], 1e-9)
+            s = np.minimum.accumulate(np.clip(np.concatenate([s, tail]), 0.0, 1.0))
         self.curve_SG[slot] = s
         self.plain_run_S[slot] = 0
         self.prior = self.momentum * self.prior + (1 - self.momentum) * s
@@ -250,10 +261,10 @@ class SurvivalTracker:
 
 def next_width(tracker: SurvivalTracker, slots: Sequence[int], caps_R: np.ndarray, batch: int, widths: Sequence[int],
                costs: Mapping[tuple, float]) -> int:
-    """The width of the next step of ``slots``: the cheapest drafting width when one of them needs a refresh (the
-    drafter drafts, and its confidence head scores, the whole block at any width, so one verified draft refreshes
-    the curve; after ``probe_interval`` of its extra cost over a plain step, at least ``refresh_min``), else
-    ``choose_width`` over the tracker's curves."""
+    """The width of the next step of ``slots``: the cheapest drafting width when one of them needs a refresh (its
+    verified drafts bring a fresh curve of the head and outcome, continued past them by the prior's shape,
+    ``SurvivalTracker.observe``; after ``probe_interval`` of its extra cost over a plain step, at least
+    ``refresh_min``), else ``choose_width`` over the tracker's curves."""
     cheapest = min(w for w in widths if w > 1)
     after = max(tracker.refresh_min,
                 probe_interval(costs[(batch, cheapest)] / costs[(batch, 1)] - 1, tracker.refresh_budget))

@@ -23,9 +23,12 @@ insert program per prompt bucket; the drafter's share of a prefill is small), wh
 
 Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1); ``adaptive`` (``jdspark.adaptive``)
 picks W from the compiled widths (default 1, 2, 4, G + 1) by the confidence head's survival curves of each row's
-previous block and the step costs ``warm_up()`` measured. A step holding any ``fixed`` row runs at G + 1; a step
-whose rows all speculate 0 drafts is a plain decode (W = 1), run without the drafter when none of its rows ever
-drafts (their requests' caps are 0), and extending the drafter's context otherwise (adaptive's plain steps).
+previous block and the step costs ``warm_up()`` measured; a step at width W decodes only the W - 1 drafts it
+verifies (``speculative.draft_block``: the drafter's layers run the whole block, its vocabulary projection and
+sequential head only those slots), which is what makes a narrow width cheaper than a whole block. A step holding
+any ``fixed`` row runs at G + 1; a step whose rows all speculate 0 drafts is a plain decode (W = 1), run without
+the drafter when none of its rows ever drafts (their requests' caps are 0), and extending the drafter's context
+otherwise (adaptive's plain steps).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ class StepOut:
     n_new: jax.Array  # int32: accepted drafts + the bonus token
     drafted: jax.Array  # int32: drafts verified
     accepted: jax.Array  # int32: drafts accepted
-    survival: Optional[jax.Array] = None  # [G] fp32: the confidence head's a_k = prod_{i<=k} sigmoid(c_i), if asked
+    survival: Optional[jax.Array] = None  # [max(W - 1, 1)] fp32: a_k = prod_{i<=k} sigmoid(c_i) of the drafts
+    # drafted (the whole block at the default width), if asked
 
 
 @jax.tree_util.register_dataclass
@@ -131,17 +132,20 @@ def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
 
 
 def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
-                threshold: float, confidence: bool = False):
-    """Drafter pass + sequential Markov head. Returns (drafts [G], logq [G, V] (the proposal ``sampling.propose``
-    drew each draft from; zeros when greedy), n_verify, survival [G] or None).
+                threshold: float, confidence: bool = False, n_slots: Optional[int] = None):
+    """Drafter pass + sequential Markov head. Returns (drafts [n], logq [n, V] (the proposal ``sampling.propose``
+    drew each draft from; zeros when greedy), n_verify, survival [n] or None) for the block's first n =
+    ``n_slots`` slots (static; default all G): a step that verifies W tokens needs only W - 1 drafts, and the
+    first n drafts (and their keys, confidences) are those of the whole block, so n changes cost, not tokens.
 
     survival_k = prod_{j<=k} sigmoid(c_j), the confidence head's probability that drafts 1..k are all accepted
     (computed when ``threshold > 0`` truncates the block or ``confidence`` asks for it; None without the head).
     Slot k's confidence reads the slot's hidden state and the previous token only, so truncating at the first k
     with survival_k < threshold decides on slot k before its token is drawn: the rejection rule stays lossless."""
     want = (threshold > 0 or confidence) and drafter.confidence_head is not None
-    base_BGV, hid_BGD = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV)
-    G = base_BGV.shape[1]
+    G = drafter.config.block_size
+    base_BGV, hid_BGD = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, n_slots)
+    n = base_BGV.shape[1]
 
     def pick(k, z):
         def greedy():
@@ -152,14 +156,14 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
 
         return unless_greedy(sp, sampled, greedy)
 
-    drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, rng.split(key, G),
+    drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, rng.split(key, G)[:n],
                                                  confidence=want)
     drafts_G, logq_GV, conf_G = drafts[0], logq[0], conf[0]
     survival = jnp.cumprod(jax.nn.sigmoid(conf_G)) if want else None
     if threshold > 0 and survival is not None:
         n_verify = jnp.sum(jnp.cumprod((survival >= threshold).astype(jnp.int32))).astype(jnp.int32)
     else:
-        n_verify = jnp.int32(G)
+        n_verify = jnp.int32(n)
     return drafts_G, logq_GV, n_verify, survival
 
 
@@ -316,8 +320,9 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     ``width`` (static; default G + 1): the verified block's length, anchor included (a serving engine compiles a
     few widths and picks one per step); ``max_drafts`` (traced, optional): verify at most this many drafts (0: the
     step is a plain decode inside the block), fixed before the step's drafts are drawn (lossless under sampling);
-    ``confidence`` (static): also return the confidence head's survival of this block (an adaptive scheduler
-    reads it to choose the next step's width). Returns (Stream, StepOut with new_K of ``width`` tokens)."""
+    ``confidence`` (static): also return the confidence head's survival of this block's max(W - 1, 1) drafts (an
+    adaptive scheduler reads it to choose the next step's width; only those drafts are decoded, ``draft_block``).
+    Returns (Stream, StepOut with new_K of ``width`` tokens)."""
     G = drafter.config.block_size
     W = G + 1 if width is None else int(width)
     if not 1 <= W <= G + 1:
@@ -329,7 +334,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
         drafts_G, logq_GV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,
                                                              target.embed_tokens.embedding[...],
                                                              target.lm_head_DV(), k_draft, sp, threshold,
-                                                             confidence)
+                                                             confidence, n_slots=max(W - 1, 1))
     drafts, logq = drafts_G[:W - 1], logq_GV[:W - 1]
     n_verify = jnp.minimum(n_verify, W - 1)
     if max_drafts is not None:

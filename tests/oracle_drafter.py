@@ -50,7 +50,7 @@ class OracleDrafter(jdspark.DSparkDrafter):
         self.verify_cuts = None if verify_cuts is None else tuple(int(c) for c in verify_cuts)
         self.scale = float(scale)
 
-    def draft_logits(self, cache, anchor_token_B, anchor_pos, embed_VD, lm_head_DV):
+    def draft_logits(self, cache, anchor_token_B, anchor_pos, embed_VD, lm_head_DV, n_slots=None):
         cfg = self.config
         G, V, D = cfg.block_size, cfg.draft_vocab_size, cfg.hidden_size
         n_B = jnp.asarray(cache.length if anchor_pos is None else anchor_pos, jnp.int32).reshape(-1)
@@ -67,7 +67,8 @@ class OracleDrafter(jdspark.DSparkDrafter):
             vc_B1 = jnp.take(jnp.asarray(self.verify_cuts, jnp.int32), n_B, mode="clip")[:, None]
             conf = jnp.where(jnp.arange(G) < vc_B1, CONF, -CONF).astype(self.dtype)
             hid = hid.at[..., 0].set(conf)
-        return logits, hid
+        n = G if n_slots is None else int(n_slots)  # the first n slots, as the drafter's own (a narrow step)
+        return logits[:, :n], hid[:, :n]
 
     def confidence_logit(self, hidden_BD, prev_token_B):
         if self.verify_cuts is None:

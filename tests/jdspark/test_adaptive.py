@@ -154,6 +154,24 @@ def test_tracker():
     np.testing.assert_allclose(tr.curve_SG[1], tr.prior)
 
 
+def test_tracker_continues_a_narrow_step_s_curve_by_the_prior_s_shape():
+    """A narrow step decodes only the drafts it verifies, so its curve stops short of the block: past it the
+    slot's curve is a_n * prior_k / prior_n (kept a non-increasing survival curve), and calibration counts only
+    the positions verified."""
+    tr = SurvivalTracker(2, 4, momentum=0.5, calibration_decay=1.0)
+    tr.prior = np.array([0.8, 0.6, 0.3, 0.15])
+    tr.observe(0, np.array([0.4]), drafted=1, accepted=1)
+    a1 = 0.4 * (1 + 1) / (0.4 + 1)  # calibrated by position 1's ratio (hits + 1) / (predicted + 1)
+    np.testing.assert_allclose(tr.curve_SG[0], [a1, a1 * 0.6 / 0.8, a1 * 0.3 / 0.8, a1 * 0.15 / 0.8])
+    np.testing.assert_allclose(tr.hits_G, [1, 0, 0, 0]) and np.testing.assert_allclose(tr.predicted_G, [0.4, 0, 0, 0])
+    tr.prior = np.array([0.5, 0.6, 0.6, 0.1])  # not a survival curve: the continuation is clipped and made monotone
+    tr.observe(1, np.array([0.9, 0.8]))
+    c = tr.curve_SG[1]
+    assert (np.diff(c) <= 0).all() and (c >= 0).all() and (c <= 1).all() and c[2] == c[1]
+    with pytest.raises(ValueError, match="survival_G: expected 1..4 positions"):
+        tr.observe(0, np.ones(5))
+
+
 def test_tracker_asks_for_a_drafting_step_after_a_run_of_plain_ones():
     """A plain step brings no curve: after a run of them a slot needs a drafting width (one slot is enough for the
     step); a drafted block, or a new request, starts the count again. The run's length is ``probe_interval`` of

@@ -202,3 +202,38 @@ def test_serving_copy_is_kept_until_the_weights_change(mxfp4_target):
     assert not np.array_equal(want, before)  # the change is visible in the tokens
     np.testing.assert_array_equal(speculative.generate(target, drafter, toks[0], max_new_tokens=12,
                                                        eos_token_id=-1).tokens, want)
+
+
+def test_a_narrow_step_decodes_the_whole_block_s_first_drafts(tiny_cfg):
+    """A step that verifies W tokens decodes only W - 1 drafts (``draft_block``'s ``n_slots``): its drafts, their
+    proposals and their survival are the whole block's first W - 1 (the same hidden states and keys), greedy and
+    sampled, so a serving engine's narrow widths change what a step costs, not what it drafts."""
+    from jdspark.sampling import SamplingParams
+
+    cfg = tiny_cfg
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(3))
+    drafter = jdspark.DSparkDrafter(
+        jdspark.DSparkConfig.for_target(cfg, block_size=4, mask_token_id=cfg.pad_token_id), target=target,
+        rngs=nnx.Rngs(4))
+    assert drafter.confidence_head is not None
+    prompt = np.random.default_rng(1).integers(3, cfg.vocab_size, size=(1, 12)).astype(np.int32)
+    st, _ = speculative.prefill_stream(target, drafter, jnp.asarray(prompt), jnp.int32(12), jax.random.key(0),
+                                       SamplingParams(), 32)
+    emb, lm = target.embed_tokens.embedding[...], target.lm_head_DV()
+
+    def block(sp, n=None):
+        return speculative.draft_block(drafter, st.dcache, st.anchor, st.cache.length, emb, lm, jax.random.key(7),
+                                       sp, 0.0, confidence=True, n_slots=n)
+
+    for sp in (SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9)):
+        drafts, logq, n_verify, surv = block(sp)
+        assert drafts.shape == (4,) and int(n_verify) == 4
+        assert len(set(np.asarray(drafts).tolist())) > 1  # the drafts differ by slot: a comparison that can fail
+        for n in (1, 3):
+            d_n, lq_n, nv_n, s_n = block(sp, n)
+            assert d_n.shape == (n,) and int(nv_n) == n
+            np.testing.assert_array_equal(np.asarray(d_n), np.asarray(drafts)[:n])
+            np.testing.assert_allclose(np.asarray(lq_n), np.asarray(logq)[:n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(s_n), np.asarray(surv)[:n], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="n_slots: expected 1..4"):
+        block(SamplingParams(), 5)
