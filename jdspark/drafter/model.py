@@ -226,7 +226,8 @@ class DSparkDrafter(nnx.Module):
 
         The layers always run the whole block (its slots attend to one another), so slot k's hidden state, and
         the draft read from it, do not depend on n; only the vocabulary projection of the slots no step will
-        verify is skipped (at 16 rows it is ~a tenth of a serving step, and the sequential head's scan another).
+        verify is skipped, and ``draft_block`` runs the sequential head over the n slots only (together ~a fifth
+        of a width-2 serving step at 16 rows, docs/performance.md).
 
         Block = [anchor, MASK x (G-1)] at RoPE positions anchor_pos + k (scalar or [B]; None -> cache.length).
         Context = the positions p < cache.length the slots hold (``slot_positions``; and p >= length -

@@ -163,7 +163,8 @@ def test_tracker_continues_a_narrow_step_s_curve_by_the_prior_s_shape():
     tr.observe(0, np.array([0.4]), drafted=1, accepted=1)
     a1 = 0.4 * (1 + 1) / (0.4 + 1)  # calibrated by position 1's ratio (hits + 1) / (predicted + 1)
     np.testing.assert_allclose(tr.curve_SG[0], [a1, a1 * 0.6 / 0.8, a1 * 0.3 / 0.8, a1 * 0.15 / 0.8])
-    np.testing.assert_allclose(tr.hits_G, [1, 0, 0, 0]) and np.testing.assert_allclose(tr.predicted_G, [0.4, 0, 0, 0])
+    np.testing.assert_allclose(tr.hits_G, [1, 0, 0, 0])
+    np.testing.assert_allclose(tr.predicted_G, [0.4, 0, 0, 0])
     tr.prior = np.array([0.5, 0.6, 0.6, 0.1])  # not a survival curve: the continuation is clipped and made monotone
     tr.observe(1, np.array([0.9, 0.8]))
     c = tr.curve_SG[1]
