@@ -144,8 +144,8 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     with survival_k < threshold decides on slot k before its token is drawn: the rejection rule stays lossless."""
     want = (threshold > 0 or confidence) and drafter.confidence_head is not None
     G = drafter.config.block_size
-    base_BGV, hid_BGD = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, n_slots)
-    n = base_BGV.shape[1]
+    base_BNV, hid_BND = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, n_slots)
+    n = base_BNV.shape[1]
 
     def pick(k, z):
         def greedy():
@@ -156,15 +156,15 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
 
         return unless_greedy(sp, sampled, greedy)
 
-    drafts, _, logq, conf = drafter.decode_block(base_BGV, hid_BGD, anchor_1, pick, rng.split(key, G)[:n],
+    drafts, _, logq, conf = drafter.decode_block(base_BNV, hid_BND, anchor_1, pick, rng.split(key, G)[:n],
                                                  confidence=want)
-    drafts_G, logq_GV, conf_G = drafts[0], logq[0], conf[0]
-    survival = jnp.cumprod(jax.nn.sigmoid(conf_G)) if want else None
+    drafts_N, logq_NV, conf_N = drafts[0], logq[0], conf[0]
+    survival = jnp.cumprod(jax.nn.sigmoid(conf_N)) if want else None
     if threshold > 0 and survival is not None:
         n_verify = jnp.sum(jnp.cumprod((survival >= threshold).astype(jnp.int32))).astype(jnp.int32)
     else:
         n_verify = jnp.int32(n)
-    return drafts_G, logq_GV, n_verify, survival
+    return drafts_N, logq_NV, n_verify, survival
 
 
 _kept: dict = {}  # role -> (key, the weight arrays it was made from, the serving copy): one entry per role
@@ -331,11 +331,11 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     key, k_draft, k_acc = rng.split(st.key, 3)
     n = st.cache.length  # [1]
     with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
-        drafts_G, logq_GV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,
+        drafts_N, logq_NV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,
                                                              target.embed_tokens.embedding[...],
                                                              target.lm_head_DV(), k_draft, sp, threshold,
                                                              confidence, n_slots=max(W - 1, 1))
-    drafts, logq = drafts_G[:W - 1], logq_GV[:W - 1]
+    drafts, logq = drafts_N[:W - 1], logq_NV[:W - 1]
     n_verify = jnp.minimum(n_verify, W - 1)
     if max_drafts is not None:
         n_verify = jnp.minimum(n_verify, jnp.asarray(max_drafts, jnp.int32))
