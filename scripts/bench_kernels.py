@@ -122,10 +122,12 @@ SMALL_KDA = dict(B=1, H=2, K=32, W=3)
 _DECODE_DEFAULT = (mm.DEFAULT_DEQUANT, mm.DECODE_TUNING.tn, mm.DECODE_TUNING.tk, mm.DECODE_TUNING.num_warps)
 MOE_SWEEP = (_DECODE_DEFAULT,) + tuple(
     (d, tn, tk, nw) for d in mm.DEQUANT_MODES
-    for tn, tk, nw in ((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 8), (128, 256, 8)))
+    for tn, tk, nw in ((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 512, 8), (128, 256, 8))) + tuple(
+    ("ptx", tn, 512, nw) for tn, nw in ((16, 4), (16, 2), (32, 2), (32, 8)))  # around the first H200 run's best
 # the grouped (prefill / verify) kernels: the dequantisation only; the first is the default
 MOE_GROUPED_SWEEP = ((mm.DEFAULT_DEQUANT,),) + tuple((d,) for d in mm.DEQUANT_MODES)
-KDA_WARPS = (kd.NUM_WARPS,) + tuple(nw for nw in (4, 8, 16) if nw != kd.NUM_WARPS)  # the default first
+KDA_WARPS = (kd.NUM_WARPS,) + tuple(nw for nw in (1, 2, 4, 8, 16) if nw != kd.NUM_WARPS)  # the default first
+KERNELS = ("mxfp4_moe", "kda_decode", "kda_verify8", "mxfp4_moe_verify8")
 
 
 def _sweep(names, configs, run_one, tol):
@@ -216,7 +218,7 @@ def _report(nbytes, t_k, t_r, copy_bw, err, **extra):
                 speedup_vs_xla=round(t_r / t_k, 2), max_abs_err=err, **extra)
 
 
-def gpu_bench(iters, repeats, small=False) -> dict:
+def gpu_bench(iters, repeats, small=False, kernels=KERNELS) -> dict:
     dev = jax.devices()[0]
     copy_bw = copy_bandwidth(1 << 20 if small else 1 << 30)
     moe, kda = (SMALL_MOE, SMALL_KDA) if small else (K3_MOE, K3_KDA)
@@ -229,6 +231,8 @@ def gpu_bench(iters, repeats, small=False) -> dict:
                      ("mxfp4_moe_verify8", lambda: bench_moe(copy_bw, max(iters // 4, 5), repeats,
                                                              sweep=MOE_GROUPED_SWEEP, grouped=True,
                                                              **dict(moe, T=8)))):
+        if name not in kernels:
+            continue
         try:
             res[name] = fn()
         except Exception as e:  # report and carry on: one failing kernel must not hide the other figures
@@ -243,11 +247,16 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5, help="timed loops; the best counts (GPU)")
     ap.add_argument("--speed", action="store_true", help="run the timing path even on CPU (with --small)")
     ap.add_argument("--small", action="store_true", help="small shapes for the timing path (a smoke test)")
+    ap.add_argument("--kernels", default=",".join(KERNELS),
+                    help=f"comma-separated subset of {','.join(KERNELS)} to time (GPU)")
     args = ap.parse_args(argv)
+    kernels = tuple(args.kernels.split(","))
+    if unknown := sorted(set(kernels) - set(KERNELS)):
+        ap.error(f"--kernels: unknown {unknown}; expected a comma-separated subset of {','.join(KERNELS)}")
     if jax.default_backend() == "cpu" and not args.speed:
         res = cpu_check()
     else:
-        res = gpu_bench(args.iters, args.repeats, small=args.small)
+        res = gpu_bench(args.iters, args.repeats, small=args.small, kernels=kernels)
     if args.json:
         print(json.dumps(res))
     else:
