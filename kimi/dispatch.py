@@ -77,6 +77,12 @@ USED_UNROLL_MAX_EXPERTS = 32
 # The per-expert loop ('used') instead of the fused pair ('all') while the rows pick at most this fraction of the
 # experts (a loop over all of them costs more than the fused pair); decided at run time on the routing.
 USED_LOOP_MAX_FRACTION = 0.5
+# Backends where skipping experts by a run-time lax.cond pays ('used', 'all_or_used'): XLA:CPU runs the chosen branch
+# inline. XLA:GPU reads each predicate back to the host before it launches a branch, and the first H200 run
+# (2026-12-04) looks like it: in the shipped pair's greedy loops a plain decode step ('used': 8 conds per MoE layer)
+# cost 1.33x a whole DSpark step (a draft and an 8-token verify, 'all_or_used': 1 cond). Elsewhere the serving
+# copy's few rows take 'all' (docs/performance.md; not yet timed on a GPU).
+RUNTIME_SKIP_BACKENDS = ("cpu",)
 
 
 # A program that maps a batch-1 step over n rows with ``jax.vmap`` (the serving engine's slots) says so with
@@ -110,15 +116,19 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     expert and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded batched matmuls), because
     XLA:CPU's ragged_dot runs every row against every group.
 
-    Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route to fewer slots than there are experts, else
+    On a backend outside ``RUNTIME_SKIP_BACKENDS`` (a GPU) the serving copy's few rows take 'all' instead of
+    'used' / 'all_or_used': no run-time cond. Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route to fewer slots than there are experts, else
     'all' (no run-time skipping, which vmap would turn into both branches), each as for rows that many."""
     mapped = _MAPPED_ROWS[-1]
     if mapped is not None:
         return "gathered" if rows * mapped * top_k < num_experts else "all"
+    skips = jax.default_backend() in RUNTIME_SKIP_BACKENDS
     if rows * top_k < num_experts:
-        return "used" if serving_dtype == jnp.bfloat16 else "gathered"
+        if serving_dtype == jnp.bfloat16:  # decode and verify must round a row at the same points
+            return "used" if skips else ("all" if rows <= MOE_ALL_MAX_ROWS else "gathered")
+        return "gathered"
     if rows <= MOE_ALL_MAX_ROWS:
-        return "all" if serving_dtype is None else "all_or_used"
+        return "all_or_used" if serving_dtype is not None and skips else "all"
     if jax.default_backend() == "cpu":
         return "blocked"
     return "grouped"

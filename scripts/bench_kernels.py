@@ -222,7 +222,7 @@ def gpu_bench(iters, repeats, small=False, kernels=KERNELS) -> dict:
     dev = jax.devices()[0]
     copy_bw = copy_bandwidth(1 << 20 if small else 1 << 30)
     moe, kda = (SMALL_MOE, SMALL_KDA) if small else (K3_MOE, K3_KDA)
-    moe_sweep = tuple((d, 32, 64, 4) for d in mm.DEQUANT_MODES) if small else MOE_SWEEP
+    moe_sweep = tuple((d, 32, 64, 4) for d in (mm.DEFAULT_DEQUANT,) + mm.DEQUANT_MODES) if small else MOE_SWEEP
     res = {"backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
            "jax": jax.__version__, "copy_bw_GBps": round(copy_bw / 1e9, 1)}
     for name, fn in (("mxfp4_moe", lambda: bench_moe(copy_bw, iters, repeats, sweep=moe_sweep, **moe)),

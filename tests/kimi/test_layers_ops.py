@@ -273,3 +273,20 @@ def test_moe_path_under_mapped_rows():
     with pytest.raises(ValueError, match="mapped_rows"):
         with dispatch.mapped_rows(0):
             pass
+
+
+def test_moe_path_skips_no_experts_at_run_time_on_a_gpu(monkeypatch):
+    """Outside RUNTIME_SKIP_BACKENDS (XLA:GPU reads every cond's predicate back to the host) the serving copy's few
+    rows take 'all', decode and verify alike (one rounding for a row whichever pass computes it); a packed or
+    unserved model keeps 'gathered' for few routed slots; many rows keep 'grouped'."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "all"
+    assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all"
+    assert dispatch.moe_path(8, 2, 8, jnp.float32) == "all"
+    assert dispatch.moe_path(1, 2, 8, None) == "gathered"
+    assert dispatch.moe_path(1, 2, 64, jnp.bfloat16) == "all"
+    assert dispatch.moe_path(32, 1, 64, jnp.bfloat16) == "gathered"  # many rows, few slots: not every expert
+    assert dispatch.moe_path(64, 2, 8, jnp.bfloat16) == "grouped"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "used"
+    assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all_or_used"
