@@ -117,8 +117,9 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     XLA:CPU's ragged_dot runs every row against every group.
 
     On a backend outside ``RUNTIME_SKIP_BACKENDS`` (a GPU) the serving copy's few rows take 'all' instead of
-    'used' / 'all_or_used': no run-time cond. Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route to fewer slots than there are experts, else
-    'all' (no run-time skipping, which vmap would turn into both branches), each as for rows that many."""
+    'used' / 'all_or_used': no run-time cond. Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route
+    to fewer slots than there are experts, else 'all' (no run-time skipping, which vmap would turn into both
+    branches), each as for rows that many."""
     mapped = _MAPPED_ROWS[-1]
     if mapped is not None:
         return "gathered" if rows * mapped * top_k < num_experts else "all"
