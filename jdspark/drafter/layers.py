@@ -199,8 +199,13 @@ class MarkovHead(nnx.Module):
         return self.markov_w1(tokens)
 
     def step(self, e_Br, h_BD, state_Br):
-        """One slot: (bias [B, Vd], new state). e = W1[prev]; h = the slot's final-normed draft hidden."""
-        e = e_Br.astype(self.markov_w2.kernel.dtype)
+        """One slot: (bias [B, Vd], new state). e = W1[prev]; h = the slot's final-normed draft hidden.
+
+        On the bf16 serving copy e stays fp32, so each product takes ``kimi.ops.linear.matmul``'s serving path
+        (inputs rounded to bf16, fp32 sums, rows padded): a bf16 x bf16 product of this one row made XLA:CPU
+        convert the whole [r, Vd] kernel to fp32 and run an unfused vector-matrix dot on every draft step."""
+        kdt = self.markov_w2.kernel.dtype
+        e = e_Br.astype(jnp.float32 if kdt == jnp.bfloat16 else kdt)
         if self.head_type == "vanilla":
             return self.markov_w2(e), state_Br
         h = h_BD.astype(e.dtype)
