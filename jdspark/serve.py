@@ -180,8 +180,8 @@ class _Mailbox:
     """Engine events into the event loop's per-request queues with one wake-up per batch, not one per event.
 
     The engine's thread commits a step's tokens for every active request at once; ``loop.call_soon_threadsafe``
-    per event writes the loop's self-pipe once per request (a system call each, costly in this sandbox: at 16
-    streams the server spent half its CPU in the kernel). ``post`` appends under a lock and schedules one
+    per event writes the loop's self-pipe once per request (a system call each; with 16 streams `top` showed half
+    of this machine's CPU time in the kernel). ``post`` appends under a lock and schedules one
     ``_flush`` while none is pending; ``_flush`` delivers everything posted so far, in order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -193,7 +193,12 @@ class _Mailbox:
             if self._scheduled:
                 return
             self._scheduled = True
-        self._loop.call_soon_threadsafe(self._flush)
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop closed (shutting down): nothing will read these; let a later post retry
+            with self._lock:
+                self._scheduled = False
+            raise
 
     def _flush(self) -> None:
         with self._lock:

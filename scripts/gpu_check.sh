@@ -14,6 +14,8 @@
 # Stated timeout: the whole script ends within 560 s; run it with the device tool as
 #     run(command="bash scripts/gpu_check.sh", timeout_s=600)
 # and read $OUT/bench_kernels.json (bench_progress.log if it timed out), $OUT/gpu_tests.log and $OUT/env.txt.
+# The first run (2026-12-04) is in docs/performance.md ("The kernels on an H200", "The shipped pair on an H200") and
+# docs/h200/; the next should check stage 3's plain-decode baseline after dispatch.RUNTIME_SKIP_BACKENDS.
 # If a variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or kda_fused_step's
 # num_warps), rerun, and record the default's figures. Acceptance (issue 7): MXFP4 MoE decode
 # >= 60 % of copy bandwidth and >= 1.5x the XLA reference; KDA decode >= 50 % of copy bandwidth.

@@ -41,8 +41,8 @@ from kimi.ops import kda as kda_ops
 _F32 = jnp.float32
 NUM_WARPS = 4
 """Triton warps per (batch row, head) program by default; ``scripts/bench_kernels.py`` sweeps others on a GPU. 4
-since the first H200 run (K3 shapes, 96 heads of 128 x 128): decode 10.4 us against 8 warps' 17.1, an 8-token
-verify 55 against 147 us (docs/performance.md)."""
+since the first H200 run (K3 shapes, 96 heads of 128 x 128): an 8-token verify 55-57 us against 8 warps' 120-147;
+decode 10-17 us at 4, 8 or 16 warps, within its run-to-run noise (docs/performance.md)."""
 
 
 def _sigmoid(x):

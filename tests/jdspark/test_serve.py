@@ -299,3 +299,39 @@ def test_bench_serve_sizes_a_launched_server_by_its_traffic():
 
     assert bench_serve.launch_args(128, 128) == ["--prompt-buckets", "128", "--max-len", "320"]
     assert bench_serve.launch_args(100, 50) == ["--prompt-buckets", "128", "--max-len", "256"]
+
+
+def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
+    """Events posted from the engine's thread while a flush is pending share one wake-up of the event loop, and
+    every request's queue gets its events in the order they were posted."""
+    import asyncio
+    import threading
+
+    from jdspark.engine import Event
+    from jdspark.serve import _Mailbox
+
+    loop = asyncio.new_event_loop()
+    try:
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda cb, *a: (wakeups.append(cb), real(cb, *a))[1]
+        box = _Mailbox(loop)
+        queues = [asyncio.Queue() for _ in range(3)]
+
+        def engine_thread(first, n):  # the loop is not running: nothing can flush while these are posted
+            for i in range(first, first + n):
+                box.post(queues[i % 3], Event(str(i), [i]))
+
+        t = threading.Thread(target=engine_thread, args=(0, 30))
+        t.start()
+        t.join()
+        assert len(wakeups) == 1
+        loop.run_until_complete(asyncio.sleep(0))  # the one flush runs
+        got = [[queues[q].get_nowait().token_ids[0] for _ in range(queues[q].qsize())] for q in range(3)]
+        assert got == [list(range(q, 30, 3)) for q in range(3)]
+        engine_thread(30, 3)  # after a flush, the next batch schedules its own
+        assert len(wakeups) == 2
+        loop.run_until_complete(asyncio.sleep(0))
+        assert [queues[q].get_nowait().token_ids[0] for q in range(3)] == [30, 31, 32]
+    finally:
+        loop.close()
