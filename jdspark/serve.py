@@ -351,9 +351,8 @@ async def _sse(request, engine, req, events, chat: bool, created: int, model_nam
             engine.cancel(req)
 
 
-def main(argv=None) -> int:
-    """``python -m jdspark.serve --checkpoint DIR --slots S --port P``: load the pair, compile every program,
-    then serve (``/health`` answers 503 until the compiles are done)."""
+def parse_args(argv=None) -> argparse.Namespace:
+    """The server's command line (``python -m jdspark.serve --help``)."""
     ap = argparse.ArgumentParser(prog="python -m jdspark.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="checkpoints/default", help="folder with target/ (and drafter/)")
     ap.add_argument("--slots", type=int, default=16)
@@ -382,6 +381,12 @@ def main(argv=None) -> int:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
+    return a
+
+
+def make_engine(a: argparse.Namespace):
+    """Load the pair and build the slots, metrics and engine a server of these arguments serves with (not yet
+    warmed up or started). Returns (engine, backend, target, tokenizer, metrics, model name)."""
     tdir, ddir = os.path.join(a.checkpoint, "target"), os.path.join(a.checkpoint, "drafter")
     target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": a.serving_dtype})
     drafter = load_drafter(ddir, target=target) if a.spec != "off" and os.path.isdir(ddir) else None
@@ -395,6 +400,14 @@ def main(argv=None) -> int:
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
                     metrics=metrics)
+    return engine, backend, target, tok, metrics, name
+
+
+def main(argv=None) -> int:
+    """``python -m jdspark.serve --checkpoint DIR --slots S --port P``: load the pair, compile every program,
+    then serve (``/health`` answers 503 until the compiles are done)."""
+    a = parse_args(argv)
+    engine, backend, target, tok, metrics, name = make_engine(a)
     ready = threading.Event()
 
     def warm():

@@ -2,6 +2,7 @@
 
   python scripts/bench_serve.py --launch --json                  # starts `python -m jdspark.serve` on 127.0.0.1
   python scripts/bench_serve.py --url http://127.0.0.1:8000 --json --plot serve.png
+  python scripts/bench_serve.py --in-process --json --concurrency 1,16   # the same engine, no HTTP: HTTP's cost
 
 Each cell runs ``--requests`` streamed completions of held-out code prompts (token ids, ``ignore_eos``, a fixed
 ``--max-tokens``, fixed seeds) from ``concurrency`` clients at once and reports: aggregate output tok/s (completion
@@ -17,7 +18,9 @@ its median round (all rounds' tok/s in ``output_tok_s_rounds``); the summary's r
 of per-round ratios (``paired_ratio``). On a shared 2-core machine
 one run of a cell moves by a fifth (two rounds of identical steps, adaptive choosing the whole block every time as
 fixed does, came out 10% apart either way), hence 5 rounds and at least 8 requests a cell by default. Only
-loopback or the given ``--url`` is contacted; every loop is bounded.
+loopback or the given ``--url`` is contacted; every loop is bounded. ``--in-process`` builds the engine ``--launch``
+would serve (``jdspark.serve.make_engine`` on the same arguments) in this process and submits the same requests
+to it directly: its cells against ``--launch``'s are what the HTTP layer (and its clients on the same cores) cost.
 """
 
 from __future__ import annotations
@@ -39,35 +42,92 @@ MODES = ("off", "fixed", "adaptive")
 CONCURRENCY = (1, 2, 4, 8, 16)
 
 
-def scrape(url: str) -> dict:
-    """The counters and histogram sums this script reads, summed over label sets."""
-    import httpx
-
+def scrape(text: str) -> dict:
+    """The counters and histogram sums this script reads from a ``/metrics`` text, summed over label sets."""
     want = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
             "vllm:spec_decode_num_draft_tokens_total", "jdspark:verified_tokens_per_step_sum",
             "jdspark:verified_tokens_per_step_count", "vllm:generation_tokens_total")
     out = dict.fromkeys(want, 0.0)
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out:
             out[name] += float(line.rsplit(" ", 1)[1])
     return out
 
 
-def scrape_costs(url: str, concurrency: int) -> dict:
-    """The adaptive scheduler's step cost table (``jdspark:step_cost_seconds``) at the batch bucket a cell of
-    ``concurrency`` users runs in: {width: ms}; empty for a server without adaptive verification."""
+def scrape_costs(text: str, concurrency: int) -> dict:
+    """The adaptive scheduler's step cost table (``jdspark:step_cost_seconds``, from a ``/metrics`` text) at the
+    batch bucket a cell of ``concurrency`` users runs in: {width: ms}; empty for a server without adaptive
+    verification."""
     import re
 
-    import httpx
-
     table = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in text.splitlines():
         if line.startswith("jdspark:step_cost_seconds{"):
             b, w = (int(re.search(f'{k}="(\\d+)"', line).group(1)) for k in ("batch", "width"))
             table[(b, w)] = float(line.rsplit(" ", 1)[1]) * 1e3
     buckets = sorted({b for b, _ in table if b >= concurrency})
     return {str(w): ms for (b, w), ms in sorted(table.items()) if buckets and b == buckets[0]}
+
+
+class HttpClient:
+    """A running server: streamed completions over HTTP, ``/metrics`` over HTTP."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
+        return one_request(self.url, prompt_ids, max_tokens, temperature, seed, mode)
+
+    def metrics_text(self) -> str:
+        import httpx
+
+        return httpx.get(self.url + "/metrics", timeout=30).text
+
+
+class EngineClient:
+    """The server's engine in this process, no HTTP (``--in-process``): the same requests submitted to
+    ``jdspark.engine.Engine`` directly, the same metrics read from its ``ServeMetrics``; what a cell measures here
+    against the HTTP cell is what the HTTP layer costs."""
+
+    def __init__(self, engine, metrics):
+        self.engine, self.metrics = engine, metrics
+
+    @classmethod
+    def from_server_args(cls, argv) -> "EngineClient":
+        """Build, warm up and start the engine a ``python -m jdspark.serve`` of these arguments would serve."""
+        from jdspark import serve
+
+        engine, backend, *_, metrics, _ = serve.make_engine(serve.parse_args(argv))
+        backend.warm_up()
+        return cls(engine.start(), metrics)
+
+    def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
+        import threading
+
+        from jdspark.engine import Request, SamplingRequest
+
+        done, chunks, usage = threading.Event(), [], {}
+        t0 = time.perf_counter()
+
+        def on_event(ev):
+            if ev.text:
+                chunks.append(time.perf_counter() - t0)
+            if ev.finish_reason is not None:
+                usage.update(ev.usage or {}, error=ev.error)
+                done.set()
+
+        sp = SamplingRequest(tuple(map(int, prompt_ids)), int(max_tokens), float(temperature), 1.0, 0, int(seed),
+                             mode != "off", None if mode == "off" else mode)
+        self.engine.submit(Request(sp, on_event, stop=(), ignore_eos=True))
+        if not done.wait(600):
+            raise RuntimeError("an in-process request did not finish within 600 s")
+        if usage.get("error") or "completion_tokens" not in usage:
+            raise RuntimeError(f"an in-process request failed: {usage}")
+        return {"chunks": chunks, "e2e": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
+
+    def metrics_text(self) -> str:
+        return self.metrics.exposition().decode()
 
 
 def one_request(url: str, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
@@ -143,15 +203,17 @@ def summarize(cells) -> list:
     return out
 
 
-def run_cell(url: str, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
+def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
              requests: int) -> dict:
-    before = scrape(url)
+    """One cell through ``client`` (``HttpClient`` or ``EngineClient``)."""
+    before = scrape(client.metrics_text())
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as ex:
-        res = list(ex.map(lambda i: one_request(url, prompts[i % len(prompts)], max_tokens, temperature, 1000 + i,
-                                                mode), range(requests)))
+        res = list(ex.map(lambda i: client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i,
+                                                   mode), range(requests)))
     wall = time.perf_counter() - t0
-    after = scrape(url)
+    metrics_after = client.metrics_text()
+    after = scrape(metrics_after)
     d = {k: after[k] - before[k] for k in after}
     tokens = sum(r["tokens"] for r in res)
     ttft = [r["chunks"][0] for r in res if r["chunks"]]
@@ -169,7 +231,7 @@ def run_cell(url: str, prompts, mode: str, concurrency: int, temperature: float,
             "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
             "accept_len": 1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0,
             "verified_per_slot_step": d["jdspark:verified_tokens_per_step_sum"] / vcount if vcount else None,
-            "step_cost_ms": scrape_costs(url, concurrency), "wall_s": wall}
+            "step_cost_ms": scrape_costs(metrics_after, concurrency), "wall_s": wall}
 
 
 def median_cell(rounds: list) -> dict:
@@ -254,6 +316,8 @@ def main(argv=None) -> int:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--launch", action="store_true", help="start the server on 127.0.0.1 for the run")
     where.add_argument("--url", help="a running server (loopback or your own host)")
+    where.add_argument("--in-process", action="store_true",
+                       help="the engine --launch would serve, in this process without HTTP (what HTTP costs)")
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--slots", type=int, default=16)
@@ -278,18 +342,23 @@ def main(argv=None) -> int:
     temps = [float(t) for t in a.temperatures.split(",")]
     prompts = held_out_prompts(a.checkpoint, a.prompts, a.prompt_len)
     proc = None
-    url = a.url
     if a.launch:
         proc, url = launch(a.checkpoint, a.port, a.slots, extra=launch_args(a.prompt_len, a.max_tokens))
+        client = HttpClient(url)
+    elif a.in_process:
+        client = EngineClient.from_server_args(["--checkpoint", a.checkpoint, "--slots", str(a.slots),
+                                                *launch_args(a.prompt_len, a.max_tokens)])
+    else:
+        client = HttpClient(a.url)
     cells = []
     try:
-        one_request(url, prompts[0], 8, 0.0, 0, modes[0])  # warm the path end to end
+        client.request(prompts[0], 8, 0.0, 0, modes[0])  # warm the path end to end
         for temp in temps:
             for c in conc:
                 rounds = {m: [] for m in modes}
                 for r in range(a.rounds):  # the modes of one concurrency side by side, round after round,
                     for mode in (modes if r % 2 == 0 else modes[::-1]):  # in turn forward and backward (ABBA)
-                        cell = run_cell(url, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c))
+                        cell = run_cell(client, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c))
                         rounds[mode].append(cell)
                         print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "
                               f"tok/s total, {cell['per_user_tok_s']:6.1f} per user, accept_len "
@@ -297,6 +366,8 @@ def main(argv=None) -> int:
                               f"step ms by width {cell['step_cost_ms']}", file=sys.stderr, flush=True)
                 cells += [median_cell(rounds[m]) for m in modes]
     finally:
+        if isinstance(client, EngineClient):
+            client.engine.shutdown()
         if proc is not None:
             proc.terminate()
             proc.wait(30)

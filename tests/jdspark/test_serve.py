@@ -244,8 +244,10 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
     import bench_serve
 
     prompts = [[256, 97 + i] for i in range(4)]
-    cells = [bench_serve.run_cell(soak_srv.url, prompts, mode, c, 0.0, 9, 4) for mode in ("off", "fixed")
-             for c in (1, 4)]
+    # over HTTP, and the same engine driven in-process (--in-process): the same figures from the same metrics
+    clients = (bench_serve.HttpClient(soak_srv.url), bench_serve.EngineClient(soak_srv.engine, soak_srv.metrics))
+    cells = [bench_serve.run_cell(client, prompts, mode, c, 0.0, 9, 4) for client in clients
+             for mode in ("off", "fixed") for c in (1, 4)]
     for cell in cells:
         assert cell["output_tok_s"] > 0 and cell["per_user_tok_s"] > 0 and cell["requests"] == 4
         assert cell["ttft_ms"]["p50"] is not None and cell["tpot_ms"]["p99"] >= cell["tpot_ms"]["p50"]
