@@ -77,12 +77,39 @@ class HttpClient:
         self.url = url
 
     def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
-        return one_request(self.url, prompt_ids, max_tokens, temperature, seed, mode)
+        """A streamed completion: arrival-relative times of every content chunk and the usage."""
+        import httpx
+
+        body = {"prompt": list(map(int, prompt_ids)), "max_tokens": max_tokens, "temperature": temperature,
+                "top_p": 1.0, "seed": seed, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, "speculative": mode != "off"}
+        if mode != "off":
+            body["spec_mode"] = mode
+        t0 = time.perf_counter()
+        chunks, usage = [], None
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                c = json.loads(line[6:])
+                if c.get("usage"):
+                    usage = c["usage"]
+                if c["choices"] and c["choices"][0].get("text"):
+                    chunks.append(time.perf_counter() - t0)
+        e2e = time.perf_counter() - t0
+        if usage is None:
+            raise RuntimeError("the stream ended without usage")
+        return {"chunks": chunks, "e2e": e2e, "tokens": usage["completion_tokens"]}
 
     def metrics_text(self) -> str:
         import httpx
 
         return httpx.get(self.url + "/metrics", timeout=30).text
+
+    def close(self) -> None:
+        pass  # the server's lifetime is its launcher's
 
 
 class EngineClient:
@@ -129,33 +156,8 @@ class EngineClient:
     def metrics_text(self) -> str:
         return self.metrics.exposition().decode()
 
-
-def one_request(url: str, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
-    """A streamed completion: arrival-relative times of every content chunk and the usage."""
-    import httpx
-
-    body = {"prompt": list(map(int, prompt_ids)), "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": 1.0, "seed": seed, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "speculative": mode != "off"}
-    if mode != "off":
-        body["spec_mode"] = mode
-    t0 = time.perf_counter()
-    chunks, usage = [], None
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            c = json.loads(line[6:])
-            if c.get("usage"):
-                usage = c["usage"]
-            if c["choices"] and c["choices"][0].get("text"):
-                chunks.append(time.perf_counter() - t0)
-    e2e = time.perf_counter() - t0
-    if usage is None:
-        raise RuntimeError("the stream ended without usage")
-    return {"chunks": chunks, "e2e": e2e, "tokens": usage["completion_tokens"]}
+    def close(self) -> None:
+        self.engine.shutdown()
 
 
 def _stats_ms(xs) -> dict:
@@ -366,8 +368,7 @@ def main(argv=None) -> int:
                               f"step ms by width {cell['step_cost_ms']}", file=sys.stderr, flush=True)
                 cells += [median_cell(rounds[m]) for m in modes]
     finally:
-        if isinstance(client, EngineClient):
-            client.engine.shutdown()
+        client.close()
         if proc is not None:
             proc.terminate()
             proc.wait(30)
