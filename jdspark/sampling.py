@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jdspark import rng
+from kimi import dispatch
 
 _NEG = -jnp.inf
 _NUCLEUS_FAST_K = 64  # top-p looks for its boundary among the 64 most likely tokens first
@@ -81,18 +82,21 @@ jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "to
 
 def unless_greedy(sp: SamplingParams, sampled, greedy):
     """``greedy()`` when every row is greedy, else ``sampled()``: decided when tracing for a static setting, at
-    run time (``lax.cond``) from ``sp.batch`` for per-row arrays that carry it; else ``sampled()`` (which selects
-    per row)."""
+    run time (``lax.cond``, where ``dispatch.runtime_skips``) from ``sp.batch`` for per-row arrays that carry it;
+    else ``sampled()`` (which selects per row)."""
     if sp.greedy:
         return greedy()
-    if sp.is_static or sp.batch is None:
+    if sp.is_static or sp.batch is None or not dispatch.runtime_skips():
         return sampled()
     return jax.lax.cond(sp.batch[0], sampled, greedy)
 
 
 def _when(flag, fn, z):
-    """``fn(z)`` where a batch flag (None: unknown) says some row needs it, else ``z`` unchanged."""
-    return fn(z) if flag is None else jax.lax.cond(flag, fn, lambda x: x, z)
+    """``fn(z)`` where a batch flag (None: unknown) says some row needs it, else ``z`` unchanged (``fn`` selects
+    per row, so where run-time skips do not pay it is applied unconditionally)."""
+    if flag is None or not dispatch.runtime_skips():
+        return fn(z)
+    return jax.lax.cond(flag, fn, lambda x: x, z)
 
 
 def _lead(v, z):
@@ -160,7 +164,10 @@ def _order_key(z):
 def _kth_largest(z, k_X):
     """The k-th largest value of each row of z [..., V] (ties counted: the largest t with #{z >= t} >= k), by
     bisection over the rows' order keys: 32 masked counts per row instead of a sort (XLA's CPU sort of a 4096
-    vocabulary costs more than a small model's decode step)."""
+    vocabulary costs more than a small model's decode step); in the "sort" form, the k-th of the row sorted."""
+    if dispatch.sampling_form() == "sort":
+        desc = -jnp.sort(-z, axis=-1)
+        return jnp.take_along_axis(desc, (_lead(k_X, z) - 1)[..., None], axis=-1)[..., 0]
     key = _order_key(z)
     k_X = _lead(k_X, z)
     lo = jnp.min(key, axis=-1)  # #{key >= lo} = V >= k
@@ -191,7 +198,9 @@ def _top_p(z, top_p):
     Without a sort: with f(t) = sum of the probabilities > t, every token above v = min{p_j : f(p_j) < top_p}
     is kept, every token below is not, and the i-th token equal to v (i = 0, 1, ... by index) is kept iff
     f(v) + i * v < top_p. v is found by bisection over the float bits of p (non-negative floats order as their
-    int32 bits)."""
+    int32 bits). In the "sort" form (``dispatch.sampling_form``) the order itself: ``_top_p_sorted``."""
+    if dispatch.sampling_form() == "sort":
+        return _top_p_sorted(z, top_p)
     p = jax.nn.softmax(z, axis=-1)
     bits = jax.lax.bitcast_convert_type(p, jnp.int32)
     top_p_X = _lead(top_p, z).astype(jnp.float32)
@@ -223,6 +232,22 @@ def _top_p(z, top_p):
     return jnp.where(keep, z, _NEG)
 
 
+def _top_p_sorted(z, top_p):
+    """``_top_p`` by one stable sort: the probabilities in decreasing order (equal ones by smaller index), the mass
+    ahead of each by a cumulative sum, n = #{mass ahead < top_p} kept; with v and j the value and index of the n-th,
+    a token is kept iff p > v, or p == v and its index <= j (ties come in index order)."""
+    p = jax.nn.softmax(z, axis=-1)
+    idx = jnp.broadcast_to(jnp.arange(z.shape[-1], dtype=jnp.int32), z.shape)
+    neg_sorted, idx_sorted = jax.lax.sort((-p, idx), dimension=z.ndim - 1, is_stable=True, num_keys=1)
+    p_sorted = -neg_sorted
+    ahead = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+    n = jnp.maximum(jnp.sum(ahead < _lead(top_p, z).astype(jnp.float32)[..., None], axis=-1), 1)
+    v = jnp.take_along_axis(p_sorted, (n - 1)[..., None], axis=-1)
+    j = jnp.take_along_axis(idx_sorted, (n - 1)[..., None], axis=-1)
+    keep = (p > v) | ((p == v) & (idx <= j))
+    return jnp.where(keep, z, _NEG)
+
+
 def draw(key, logw_XV):
     """One index per row, i with probability exp(logw_i) / sum_j exp(logw_j) (log-weights, -inf for none), by the
     Gumbel-max trick: argmax(logw + g), g ~ Gumbel iid.
@@ -241,11 +266,12 @@ def draw(key, logw_XV):
     ~30 us whatever its size), one call for the set's and the candidates' numbers. Not an inverse CDF from one
     uniform: that maps rounding-level differences in the weights (the serving engine's batched programs and batch-1
     generate round differently) to a different token whenever the uniform falls near any of the support's
-    boundaries, where Gumbel-max (each stage of it) changes only on a near-tie of the two best perturbed scores."""
+    boundaries, where Gumbel-max (each stage of it) changes only on a near-tie of the two best perturbed scores.
+    In the "sort" form (``dispatch.sampling_form``: not the CPU) one stage over all V: no top_k, no cond."""
     V = logw_XV.shape[-1]
     K = min(_NUCLEUS_FAST_K, V)
     logw = logw_XV.astype(jnp.float32)
-    if K == V:
+    if K == V or dispatch.sampling_form() == "sort":  # one stage: Gumbel noise over V (no top_k, no cond)
         return jnp.argmax(logw + rng.gumbel(key, logw.shape), axis=-1).astype(jnp.int32)
     k_now, k_rest = rng.split(key)
     top_XK, idx_XK = jax.lax.top_k(logw, K)

@@ -6,13 +6,16 @@
 Each figure is one operation on logits [rows, V] repeated ``--iters`` times inside one ``lax.fori_loop`` (so the
 host's dispatch is not counted), the fastest of ``--repeats`` runs, in microseconds per call. ``peaked`` logits
 (a nucleus of a few tokens at top-p 0.95, as a trained model's usually are) take top-p's fast path; ``flat`` ones
-(hundreds of tokens) its bisection. The sort and ``jax.random.categorical`` rows are what sampling used before
-(``jdspark/sampling.py`` says why it no longer does).
+(hundreds of tokens) its bisection. The sampling operations are timed in each of ``kimi.dispatch.sampling_form``'s
+forms (``--forms``; "bisect" is the CPU's, "sort" every other backend's: the script sets which one runs, by the
+backends that take run-time skips, to compare them side by side on one machine); ``accept_rejection`` is a verify
+block's (``rows`` - 1 drafts). The sort and ``jax.random.categorical`` rows are the plain operations for scale.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -20,6 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from jdspark import sampling
+from kimi import dispatch
+
+FORM_SKIPS = {"bisect": ("cpu", "gpu", "cuda", "rocm", "tpu"), "sort": ()}  # RUNTIME_SKIP_BACKENDS per form
 
 
 def per_call_us(op, logits_RV, iters: int, repeats: int) -> float:
@@ -43,33 +49,65 @@ def per_call_us(op, logits_RV, iters: int, repeats: int) -> float:
     return best / iters * 1e6
 
 
+@contextlib.contextmanager
+def _form(form: str):
+    """Trace inside this block under ``dispatch.sampling_form() == form``."""
+    saved = dispatch.RUNTIME_SKIP_BACKENDS
+    dispatch.RUNTIME_SKIP_BACKENDS = FORM_SKIPS[form]
+    try:
+        assert dispatch.sampling_form() == form
+        yield
+    finally:
+        dispatch.RUNTIME_SKIP_BACKENDS = saved
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="logit rows per call (8: a verify block)")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--forms", default="bisect,sort", help="dispatch.sampling_form forms to time, of bisect,sort")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line")
     a = ap.parse_args(argv)
+    forms = a.forms.split(",")
+    if any(f not in FORM_SKIPS for f in forms):
+        raise SystemExit(f"bench_sampling.py: --forms: each of {sorted(FORM_SKIPS)}, got {a.forms!r}")
     if a.vocab < 2 or a.iters < 1 or a.repeats < 1 or min(a.rows) < 1:
         raise SystemExit("bench_sampling.py: --vocab >= 2, --iters >= 1, --repeats >= 1 and --rows >= 1 expected")
     sp = sampling.SamplingParams(1.0, 0, 0.95)
-    ops = {
+    def accept(z, k):  # a verify block: R - 1 drafts (the argmax of a shifted q), the target's R positions
+        logq = sampling.process_logits(z[:-1] + 0.5, sp)
+        drafts = jnp.argmax(logq, axis=-1).astype(jnp.int32)
+        return jnp.stack(sampling.accept_rejection(k, drafts, logq, z, jnp.int32(z.shape[0] - 1), sp))
+
+    form_ops = {
         "sample_top_p": lambda z, k: sampling.sample(k, z, sp),
         "top_p_mask": lambda z, k: sampling.process_logits(z, sp),
+        "propose": lambda z, k: sampling.propose(k, z, sp)[0],
+        "accept_rejection": accept,
+    }
+    ops = {
         "gumbel_categorical_all_V": lambda z, k: jax.random.categorical(k, z),
         "sort_V": lambda z, k: jnp.sort(z, axis=-1),
         "argsort_V": lambda z, k: jnp.argsort(z, axis=-1),
         "top_k_64": lambda z, k: jax.lax.top_k(z, 64)[0],
         "log_softmax": lambda z, k: jax.nn.log_softmax(z, axis=-1),
     }
-    out = {"backend": jax.default_backend(), "vocab": a.vocab, "iters": a.iters, "unit": "us per call", "rows": {}}
+    out = {"backend": jax.default_backend(), "vocab": a.vocab, "iters": a.iters, "unit": "us per call",
+           "default_form": dispatch.sampling_form(), "rows": {}}
     for R in a.rows:
         base = jax.random.normal(jax.random.key(1), (R, a.vocab))
         for shape, scale in (("peaked", 12.0), ("flat", 3.0)):
             z = base * scale
             kept = int(jnp.sum(jnp.isfinite(sampling.process_logits(z[:1], sp))))
             row = {"nucleus_tokens_row0": kept}
+            for form in forms:
+                with _form(form):
+                    for name, op in form_ops.items():
+                        if name == "accept_rejection" and R < 2:
+                            continue
+                        row[f"{name}_{form}"] = round(per_call_us(op, z, a.iters, a.repeats), 1)
             for name, op in ops.items():
                 if shape == "flat" and name in ("sort_V", "argsort_V", "top_k_64", "log_softmax"):
                     continue  # the same cost at any logits

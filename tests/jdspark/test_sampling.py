@@ -22,6 +22,7 @@ from jdspark.sampling import (
     process_logits,
     propose,
 )
+from kimi import dispatch
 from tests.jdspark import sampling_ref as ref
 
 ALPHA = 1e-4
@@ -38,7 +39,7 @@ def _rows(seed: int, R: int = 64, V: int = 16) -> np.ndarray:
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_process_logits_matches_the_reference(temperature, top_k, top_p):
+def test_process_logits_matches_the_reference(temperature, top_k, top_p, sampling_form):
     logits = _rows(int(temperature * 10) + top_k)
     got = np.exp(np.asarray(process_logits(jnp.asarray(logits), SamplingParams(temperature, top_k, top_p))))
     want = ref.process(logits, temperature, top_k, top_p)
@@ -57,7 +58,7 @@ def test_process_logits_matches_the_reference(temperature, top_k, top_p):
     ([0, 5, 0, 5], 0, 0.4, [1]),  # two tied maxima, each ~0.497: one reaches 0.4, the smaller index
     ([2, 0, 2, 0, 2], 2, 0.5, [0, 2]),  # top-k keeps the 3 tied; top-p then takes 2 of them (1/3 each)
 ])
-def test_top_k_top_p_ties(logits, top_k, top_p, kept):
+def test_top_k_top_p_ties(logits, top_k, top_p, kept, sampling_form):
     z = np.asarray([logits], np.float32)
     want = ref.process(z, 1.0, top_k, top_p)[0]
     got = np.exp(np.asarray(process_logits(jnp.asarray(z), SamplingParams(1.0, top_k, top_p))))[0]
@@ -78,7 +79,7 @@ def _wide_rows(V: int = 300) -> np.ndarray:
 
 
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.9), (0, 0.5), (100, 0.95), (7, 1.0)])
-def test_wide_vocabulary_nucleus_and_top_k_match_the_reference_static_and_per_row(top_k, top_p):
+def test_wide_vocabulary_nucleus_and_top_k_match_the_reference_static_and_per_row(top_k, top_p, sampling_form):
     """Both ways top-p finds its boundary (among the 64 largest, or by bisection over all of them) and the
     per-row top-k's bisection keep exactly the reference's tokens, ties included."""
     logits = _wide_rows()
@@ -96,7 +97,7 @@ def test_wide_vocabulary_nucleus_and_top_k_match_the_reference_static_and_per_ro
         np.testing.assert_allclose(got[decided], want[decided], atol=2e-6, rtol=1e-5)
 
 
-def test_draw_follows_the_weights():
+def test_draw_follows_the_weights(sampling_form):
     """draw: index frequencies against the normalised weights (Pearson, ALPHA each, 2 checks), zero weights never
     drawn, for a support within the 64 candidates of the fast path and for a wider one (all V)."""
     rng = np.random.default_rng(12)
@@ -187,15 +188,17 @@ def test_accept_greedy_never_accepts_past_n_verify():
 
 # ---------------------------------------------------------------------------------------------------- rejection
 @functools.lru_cache(maxsize=None)
-def _vmapped_rejection(sp: SamplingParams):
+def _vmapped_rejection(sp: SamplingParams, form: str):
+    """A compiled, mapped accept_rejection per (setting, ``dispatch.sampling_form``)."""
     f = lambda k, d, lq, lt, n: accept_rejection(k, d, lq, lt, n, sp)  # noqa: E731
     return jax.jit(jax.vmap(f, in_axes=(0, 0, None, None, None)))
 
 
 def _run_rejection(key_seed, drafts_ND, logq_GV, logits_G1V, n_verify, sp):
     keys = jax.random.split(jax.random.key(key_seed), drafts_ND.shape[0])
-    n_acc, nxt = _vmapped_rejection(sp)(keys, jnp.asarray(drafts_ND, jnp.int32), jnp.asarray(logq_GV),
-                                        jnp.asarray(logits_G1V), jnp.int32(n_verify))
+    run = _vmapped_rejection(sp, dispatch.sampling_form())
+    n_acc, nxt = run(keys, jnp.asarray(drafts_ND, jnp.int32), jnp.asarray(logq_GV), jnp.asarray(logits_G1V),
+                     jnp.int32(n_verify))
     return np.asarray(n_acc), np.asarray(nxt)
 
 
@@ -206,7 +209,7 @@ def _binom_ok(k: int, n: int, p: float) -> bool:
 SP = SamplingParams(0.8, 0, 0.9)
 
 
-def test_rejection_accepts_with_min_1_p_over_q_and_resamples_from_the_residual():
+def test_rejection_accepts_with_min_1_p_over_q_and_resamples_from_the_residual(sampling_form):
     """One draft slot, the draft fixed at a token q over-proposes: accepted with probability p(d)/q(d); when
     rejected the token follows norm(max(p - q, 0)) (never d, never a token with p <= q); when accepted the bonus
     follows p at the next position."""

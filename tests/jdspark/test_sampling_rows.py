@@ -16,7 +16,7 @@ def _logits(rows, V=12, seed=0):
     return z.at[:, :, 3].set(z[:, :, 7])  # ties, so top-k keeps both
 
 
-def test_process_logits_per_row_equals_static():
+def test_process_logits_per_row_equals_static(sampling_form):
     z = _logits(len(SETTINGS))
     sp = SamplingParams.rows(*map(np.array, zip(*SETTINGS)))
     got = process_logits(z, sp)
@@ -25,7 +25,7 @@ def test_process_logits_per_row_equals_static():
         np.testing.assert_allclose(np.asarray(got[r]), np.asarray(want), atol=1e-6, rtol=0)
 
 
-def test_sample_and_accept_per_row_equal_static():
+def test_sample_and_accept_per_row_equal_static(sampling_form):
     V, G = 12, 3
     z = _logits(len(SETTINGS), V, seed=1)
     sp = SamplingParams.rows(*map(np.array, zip(*SETTINGS)))
@@ -54,7 +54,7 @@ def test_static_parameters_are_still_checked():
 @pytest.mark.parametrize("settings", [SETTINGS, [(0.0, 0, 1.0)] * 2, [(0.0, 4, 0.5), (1.0, 0, 0.9)],
                                       [(0.0, 0, 1.0), (0.8, 3, 1.0)]],
                          ids=["mixed", "all-greedy", "top-p-only-sampled", "top-k-only"])
-def test_batch_flags_under_vmap_equal_per_row(settings):
+def test_batch_flags_under_vmap_equal_per_row(settings, sampling_form):
     """A mapped batch with ``batch`` flags taken outside the map (the engine's step) samples, processes and
     accepts exactly as the per-row parameters without them: the flags only skip work no row needs (a greedy
     row's top-k / top-p settings included)."""
