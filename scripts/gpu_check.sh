@@ -1,27 +1,41 @@
 #!/usr/bin/env bash
-# Issue 7's GPU check: the one prepared script for a session that is lent an NVIDIA H200.
+# The one prepared script for a session that is lent an NVIDIA H200. Stages (GPU_CHECK_STAGES, in order; default
+# "tests kernels pair"):
 #
-#   1. tests/kimi/test_kernels_pallas.py on the GPU: the same tests that run in interpret mode on CPU, here with the
-#      kernels compiled through the Pallas Triton backend (timeout 300 s);
-#   2. scripts/bench_kernels.py --json at K3 decode shapes: bytes per call, GB/s, % of the measured copy bandwidth,
-#      speedup over the XLA reference, for the default launch choices and a sweep of variants (MXFP4 decode:
-#      "bits" vs "ptx" dequantisation x tiles x warps; KDA: warps; and an 8-token verify through the grouped
-#      MoE kernels, both dequantisations); timeout 240 s.
-#   3. if stages 1-2 left time (they started before 380 s), the shipped default pair's scripts/bench.py on the GPU
-#      (code workload, 4 prompts x 256 tokens, greedy and sampled, 2 timed repeats): plain and DSpark tok/s side by
-#      side, for docs/performance.md; it ends by 560 s.
+#   tests    tests/kimi/test_kernels_pallas.py on the GPU: the same tests that run in interpret mode on CPU, here
+#            with the kernels compiled through the Pallas Triton backend (timeout 300 s);
+#   kernels  scripts/bench_kernels.py --json at K3 decode shapes: bytes per call, GB/s, % of the measured copy
+#            bandwidth, speedup over the XLA reference, for the default launch choices and a sweep of variants
+#            (MXFP4 decode: "bits" vs "ptx" dequantisation x tiles x warps; KDA: warps; an 8-token verify through
+#            the grouped MoE kernels, both dequantisations); timeout 240 s;
+#   pair     the shipped default pair's scripts/bench.py (code workload, 4 prompts x 256 tokens, greedy and
+#            sampled, 2 timed repeats; PAIR_ARGS adds flags): plain and DSpark tok/s side by side; it runs only
+#            if it can start before PAIR_START_BY s (default 380) and ends by PAIR_END_BY s (default 560);
+#   sampling scripts/bench_sampling.py --json: sampling's operations in both of kimi.dispatch.sampling_form's forms
+#            ("bisect", the CPU's; "sort", the GPU's), timeout 120 s;
+#   serve    issue 17's load test, `scripts/bench_serve.py --launch --json` (SERVE_ARGS, default
+#            "--rounds 2"): the server and its clients on the GPU machine's CPUs, the engine on the GPU; it ends by
+#            SERVE_END_BY s (default 560); per-cell lines in $OUT/bench_serve.log survive a time-out. The image has
+#            no FastAPI / uvicorn / pydantic: carry them as wheels in .whl (name .whl in carry; installed under
+#            /tmp/site), fetched here, with .whl listed in .git/info/exclude, by
+#              python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#                --platform manylinux_2_17_x86_64 -d .whl fastapi==0.163.2 starlette==1.10.0 pydantic==2.14.4 \
+#                pydantic_core==2.50.5 uvicorn==0.54.0 annotated-types==0.8.0 typing-inspection==0.4.5 \
+#                typing_extensions==4.16.0 opentelemetry-api==1.45.2      # the versions requirements/lock.txt pins
 #
 # Stated timeout: the whole script ends within 560 s; run it with the device tool as
-#     run(command="bash scripts/gpu_check.sh", timeout_s=600)
-# and read $OUT/bench_kernels.json (bench_progress.log if it timed out), $OUT/gpu_tests.log and $OUT/env.txt.
-# The first run (2026-12-04) is in docs/performance.md ("The kernels on an H200", "The shipped pair on an H200") and
-# docs/h200/; the next should check stage 3's plain-decode baseline after dispatch.RUNTIME_SKIP_BACKENDS.
-# If a variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or kda_fused_step's
-# num_warps), rerun, and record the default's figures. Acceptance (issue 7): MXFP4 MoE decode
+#     run(command="bash scripts/gpu_check.sh", timeout_s=600)                       # issue 7 (+ the pair)
+#     run(command="GPU_CHECK_STAGES='pair serve' PAIR_END_BY=200 bash scripts/gpu_check.sh", carry=[".whl"],
+#         timeout_s=600)                                                              # issues 16 and 17
+# and read $OUT/*.json (bench_progress.log / bench_serve.log if a stage timed out), $OUT/gpu_tests.log, $OUT/env.txt.
+# The runs so far (2026-12-04: the first with the default stages; then "serve pair", then "sampling pair") are in
+# docs/performance.md ("The kernels on an H200", "The shipped pair on an H200", "The server on an H200") and
+# docs/h200/ (run2/, run3/). If a kernel variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or
+# kda_decode's NUM_WARPS), rerun, and record the default's figures. Acceptance (issue 7): MXFP4 MoE decode
 # >= 60 % of copy bandwidth and >= 1.5x the XLA reference; KDA decode >= 50 % of copy bandwidth.
 #
 # It uses the machine image's python3 (JAX 0.11.x with CUDA, flax, pytest; the repo's .venv holds a CPU-only
-# jaxlib); override with PY=... . Nothing is installed.
+# jaxlib); override with PY=... . Nothing is installed but the carried wheels.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-python3}"
@@ -37,14 +51,19 @@ export JAX_PLATFORMS="${GPU_CHECK_PLATFORM:-cuda}" PYTHONUNBUFFERED=1 PYTHONPATH
 } | tee "$OUT/env.txt"
 
 rc=0
-# fp32 XLA references in the tests must not drop to TF32 (the comparisons are at 1e-5)
-JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 "$PY" -m pytest -p no:cacheprovider --durations=10 \
-  tests/kimi/test_kernels_pallas.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
-# stdout: the one JSON line; stderr: a line per timed variant as it finishes (kept if the time-out hits)
-timeout 240 "$PY" scripts/bench_kernels.py --json ${BENCH_ARGS:-} 2> >(tee "$OUT/bench_progress.log" >&2) \
-  | tee "$OUT/bench_kernels.json" || rc=1
-# the reply carries only the end of the output: a short table of the figures that decide issue 7
-"$PY" - "$OUT/bench_kernels.json" <<'PYEOF' || rc=1
+
+stage_tests() {
+  # fp32 XLA references in the tests must not drop to TF32 (the comparisons are at 1e-5)
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 "$PY" -m pytest -p no:cacheprovider --durations=10 \
+    tests/kimi/test_kernels_pallas.py 2>&1 | tee "$OUT/gpu_tests.log" || rc=1
+}
+
+stage_kernels() {
+  # stdout: the one JSON line; stderr: a line per timed variant as it finishes (kept if the time-out hits)
+  timeout 240 "$PY" scripts/bench_kernels.py --json ${BENCH_ARGS:-} 2> >(tee "$OUT/bench_progress.log" >&2) \
+    | tee "$OUT/bench_kernels.json" || rc=1
+  # the reply carries only the end of the output: a short table of the figures that decide issue 7
+  "$PY" - "$OUT/bench_kernels.json" <<'PYEOF' || rc=1
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 print(f"copy bandwidth {r['copy_bw_GBps']} GB/s on {r.get('device')} (jax {r.get('jax')})")
@@ -64,10 +83,16 @@ for name in ("mxfp4_moe", "kda_decode", "kda_verify8", "mxfp4_moe_verify8"):
     for v in bad:
         print(f"{name:<12} failed   {v}"[:200])
 PYEOF
-# 3. the default pair's plain-vs-DSpark figures on the GPU, in whatever time is left
-if (( SECONDS < 380 )); then
-  timeout $((560 - SECONDS)) "$PY" scripts/bench.py --json --workloads code --prompts 4 --repeats 2 \
-    ${PAIR_ARGS:-} 2>"$OUT/bench_pair.log" | tee "$OUT/bench_pair_gpu.json" | tail -c 2000 || rc=1
+}
+
+# the default pair's plain-vs-DSpark figures on the GPU, in whatever time is left
+stage_pair() {
+  if (( SECONDS >= ${PAIR_START_BY:-380} )); then
+    echo "stage pair skipped: $SECONDS s gone"
+    return
+  fi
+  timeout $((${PAIR_END_BY:-560} - SECONDS)) "$PY" scripts/bench.py --json --workloads code --prompts 4 \
+    --repeats 2 ${PAIR_ARGS:-} 2>"$OUT/bench_pair.log" | tee "$OUT/bench_pair_gpu.json" | tail -c 2000 || rc=1
   "$PY" - "$OUT/bench_pair_gpu.json" <<'PYEOF' || rc=1
 import json, sys
 r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
@@ -77,8 +102,30 @@ for wl, rows in r["workloads"].items():
         print(f"{wl:<6} {row:<8} plain {x['ar_tok_s']:>8.1f} tok/s  dspark {x['spec_tok_s']:>8.1f} tok/s  "
               f"speedup {x['speedup']:>5.2f}  accept_len {x['accept_len']:.2f}")
 PYEOF
-else
-  echo "stage 3 skipped: $SECONDS s gone"
-fi
+}
+
+# sampling's two forms (kimi.dispatch.sampling_form) side by side on the GPU: what a sampled step's sampling costs
+stage_sampling() {
+  timeout 120 "$PY" scripts/bench_sampling.py --json --iters 100 --repeats 3 2>"$OUT/bench_sampling.log" \
+    | tee "$OUT/bench_sampling_gpu.json" | tail -c 3000 || rc=1
+}
+
+# issue 17's load test: the server on this machine, its engine on the GPU
+stage_serve() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH="$PYTHONPATH:/tmp/site" || rc=1
+  fi
+  # the client process imports JAX too: neither process may take most of the GPU's memory for itself
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout $((${SERVE_END_BY:-560} - SECONDS)) "$PY" scripts/bench_serve.py \
+    --launch --json ${SERVE_ARGS:---rounds 2} 2> >(tee "$OUT/bench_serve.log" >&2) \
+    | tee "$OUT/bench_serve_gpu.json" | tail -c 1500 || rc=1
+  pkill -f "jdspark.serve --checkpoint" 2>/dev/null  # a time-out ends bench_serve before it stops its server
+  grep "^\[bench_serve\]" "$OUT/bench_serve.log" | cut -c1-110
+}
+
+for stage in ${GPU_CHECK_STAGES:-tests kernels pair}; do
+  "stage_$stage"
+done
 echo "gpu_check done in $SECONDS s, rc $rc"
 exit $rc
