@@ -13,7 +13,9 @@ target's passes (verify, decode) ``part_ms_per_step`` splits the time by the mod
 names them: kda, mla, moe, dense, attn_res, lm_head; ``rest``: embedding, cache stacking). The op names
 come from the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before JAX starts). Per-step figures
 divide by the generation's target steps. The trace includes the threads' waits, so read the phases' shares; and on a
-shared machine compare the phases of one run, not runs.
+shared machine compare the phases of one run, not runs. On a GPU the ops are read from the device's "XLA Ops" line
+(``trace_lines``), and ``wall_ms`` against ``busy_ms`` (the time any op ran) says how much of a step the device
+waits on the host.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -87,6 +90,31 @@ def by_phase(lines, names: dict) -> tuple:
     return phase, per_op, per_part
 
 
+def trace_lines(prof) -> tuple:
+    """The trace lines whose events are the program's ops, and their names ("plane / line"): XLA:CPU's worker
+    threads (``tf_XLAEigen...``), else a GPU's device planes' "XLA Ops" lines (one event per HLO op the device
+    ran), else every line of those planes but the module and step summaries."""
+    cpu = [(p.name, ln) for p in prof.planes for ln in p.lines if ln.name.startswith("tf_XLAEigen")]
+    dev = [(p.name, ln) for p in prof.planes if p.name.startswith("/device:") and "CPU" not in p.name
+           for ln in p.lines]
+    chosen = cpu or [x for x in dev if x[1].name == "XLA Ops"] or [
+        x for x in dev if x[1].name not in ("XLA Modules", "Steps", "XLA TraceMe")]
+    return ([[(ev.start_ns, ev.duration_ns, ev.name) for ev in ln.events] for _, ln in chosen],
+            [f"{p} / {ln.name}" for p, ln in chosen])
+
+
+def busy_ns(lines) -> int:
+    """The time at least one of the lines' events was running (the union of their intervals), in ns."""
+    spans = sorted((s, s + d) for events in lines for s, d, _ in events)
+    total, end = 0, None
+    for s, e in spans:
+        if end is None or s > end:
+            total, end = total + (e - s), e
+        elif e > end:
+            total, end = total + (e - end), e
+    return total
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
@@ -123,8 +151,10 @@ def main(argv=None) -> int:
     jdspark.generate(target, d, prompt, **kw)  # compile + warm
     trace = tempfile.mkdtemp(prefix="jdspark_trace_")
     jax.profiler.start_trace(trace)
+    t0 = time.perf_counter()
     out = jdspark.generate(target, d, prompt, **kw)
     jax.block_until_ready(out.tokens)
+    wall_ns = (time.perf_counter() - t0) * 1e9
     jax.profiler.stop_trace()
     hlo = sorted(glob.glob(os.path.join(dump, "*generate_program*after_optimizations.txt")), key=os.path.getmtime)
     if not hlo:
@@ -132,8 +162,9 @@ def main(argv=None) -> int:
     names = op_names(open(hlo[-1]).read())
     pb = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
     prof = jax.profiler.ProfileData.from_file(pb[0])
-    lines = [[(ev.start_ns, ev.duration_ns, ev.name) for ev in line.events]
-             for plane in prof.planes for line in plane.lines if line.name.startswith("tf_XLAEigen")]
+    lines, line_names = trace_lines(prof)
+    if not any(lines):
+        raise SystemExit(f"bench_profile: no op events in the trace's lines {line_names}")
     phase, per_op, per_part = by_phase(lines, names)
     shutil.rmtree(dump, ignore_errors=True)
     shutil.rmtree(trace, ignore_errors=True)
@@ -144,7 +175,10 @@ def main(argv=None) -> int:
               "target_steps": steps, "accept_len": (int(out.stats.accepted) + steps) / steps,
               "phase_ms_per_step": {k: round(v / 1e6 / steps, 4) for k, v in phase.most_common()},
               "phase_share": {k: round(v / sum(phase.values()), 4) for k, v in phase.most_common()},
-              "traced_thread_ms": round(total_ms, 2),
+              "traced_thread_ms": round(total_ms, 2), "backend": jax.default_backend(), "trace_lines": line_names,
+              # the generation's wall time against the time some traced line was busy: on a GPU, what is left is
+              # the host's (launches, loop predicates read back) and idle gaps between kernels
+              "wall_ms": round(wall_ns / 1e6, 2), "busy_ms": round(busy_ns(lines) / 1e6, 2),
               "part_ms_per_step": {ph: {pt: round(per_part[(ph, pt)] / 1e6 / steps, 4) for pt in PARTS + ("rest",)
                                         if per_part[(ph, pt)]} for ph in ("verify", "decode") if phase[ph]},
               "top_ops": [{"phase": ph, "op": n, "op_name": op[-100:], "ms_per_step": round(t / 1e6 / steps, 4)}

@@ -13,6 +13,9 @@
 #            if it can start before PAIR_START_BY s (default 380) and ends by PAIR_END_BY s (default 560);
 #   sampling scripts/bench_sampling.py --json: sampling's operations in both of kimi.dispatch.sampling_form's forms
 #            ("bisect", the CPU's; "sort", the GPU's), timeout 120 s;
+#   profile  scripts/bench_profile.py --json on the GPU, plain / DSpark greedy / DSpark T=1: each phase's device
+#            time per step from the device's op line, and the generation's wall time against its device-busy time
+#            (what the host costs a step there); timeout 150 s each;
 #   serve    issue 17's load test, `scripts/bench_serve.py --launch --json` (SERVE_ARGS, default
 #            "--rounds 2"): the server and its clients on the GPU machine's CPUs, the engine on the GPU; it ends by
 #            SERVE_END_BY s (default 560); per-cell lines in $OUT/bench_serve.log survive a time-out. The image has
@@ -108,6 +111,16 @@ PYEOF
 stage_sampling() {
   timeout 120 "$PY" scripts/bench_sampling.py --json --iters 100 --repeats 3 2>"$OUT/bench_sampling.log" \
     | tee "$OUT/bench_sampling_gpu.json" | tail -c 3000 || rc=1
+}
+
+# where a generation's GPU time goes: the device's op line by phase, and wall time against device-busy time
+stage_profile() {
+  for args in "--plain" "" "--temperature 1"; do
+    name="profile_$(echo "${args:-dspark}" | tr -d ' -')"
+    timeout 150 "$PY" scripts/bench_profile.py --json $args 2>"$OUT/$name.log" | tee "$OUT/$name.json" \
+      | "$PY" -c "import json,sys; r=json.loads(sys.stdin.read().strip().splitlines()[-1]); print('$name', {k: r.get(k) \
+for k in ('trace_lines', 'wall_ms', 'busy_ms', 'target_steps', 'accept_len', 'phase_ms_per_step')})" || rc=1
+  done
 }
 
 # issue 17's load test: the server on this machine, its engine on the GPU

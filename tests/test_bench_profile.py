@@ -1,7 +1,9 @@
-"""scripts/bench_profile.py's pieces that need no trace: HLO op names -> phases, and self times of nested events."""
+"""scripts/bench_profile.py's pieces that need no trace: HLO op names -> phases, self times of nested events, busy time,
+and which trace lines hold the ops (CPU threads, a GPU's op line)."""
 
 import os
 import sys
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
@@ -41,3 +43,25 @@ def test_self_times_subtract_directly_nested_events():
     assert sum(per_op.values()) == sum(phase.values()) == sum(per_part.values())
     assert per_part[("verify", "moe")] == 10 and per_part[("verify", "rest")] == 10
     assert bench_profile.part_of("jit(f)/while/body/verify/mla/kda_like/dot") == "mla"  # innermost part
+
+
+def test_busy_is_the_union_of_the_lines_intervals():
+    # two lines: [0, 10) and [5, 20) overlap -> 20; [30, 35) alone; a nested [31, 33) adds nothing; [40, 40) empty
+    lines = [[(0, 10, "a"), (30, 5, "c"), (31, 2, "d")], [(5, 15, "b"), (40, 0, "e")]]
+    assert bench_profile.busy_ns(lines) == 20 + 5
+    assert bench_profile.busy_ns([]) == 0
+
+
+def test_trace_lines_pick_cpu_threads_else_the_gpus_op_lines():
+    ev = types.SimpleNamespace(start_ns=1, duration_ns=2, name="fusion.1")
+
+    def plane(name, *lines):
+        return types.SimpleNamespace(name=name, lines=[types.SimpleNamespace(name=n, events=[ev]) for n in lines])
+
+    cpu = types.SimpleNamespace(planes=[plane("/host:CPU", "tf_XLAEigen/1", "python"), plane("/host:metadata")])
+    gpu = types.SimpleNamespace(planes=[plane("/host:CPU", "python"),
+                                        plane("/device:GPU:0", "XLA Modules", "XLA Ops", "Stream #7")])
+    other = types.SimpleNamespace(planes=[plane("/device:GPU:0", "XLA Modules", "Stream #7", "Steps")])
+    assert bench_profile.trace_lines(cpu) == ([[(1, 2, "fusion.1")]], ["/host:CPU / tf_XLAEigen/1"])
+    assert bench_profile.trace_lines(gpu)[1] == ["/device:GPU:0 / XLA Ops"]
+    assert bench_profile.trace_lines(other)[1] == ["/device:GPU:0 / Stream #7"]
