@@ -1,6 +1,6 @@
 """scripts/bench_sampling.py at its default vocabulary, two calls per figure: one JSON line with every operation's
-figure per shape, the peaked logits' nucleus within top-p's fast path and the flat ones' past it (so both paths
-are what is timed)."""
+figure per shape and sampling form, the peaked logits' nucleus within top-p's fast path and the flat ones' past it
+(so both of "bisect"'s paths are what is timed), and the form this backend samples with."""
 
 import json
 import os
@@ -18,6 +18,11 @@ def test_json_line_has_every_figure(capsys):
     r = json.loads(lines[0])
     peaked, flat = r["rows"]["1xpeaked"], r["rows"]["1xflat"]
     assert peaked["nucleus_tokens_row0"] <= 64 < flat["nucleus_tokens_row0"]
-    for name in ("sample_top_p", "top_p_mask", "gumbel_categorical_all_V", "sort_V", "argsort_V", "top_k_64"):
+    assert r["default_form"] == "bisect"  # this CPU's (kimi.dispatch.sampling_form)
+    for form in ("bisect", "sort"):
+        for name in ("sample_top_p", "top_p_mask", "propose"):
+            assert peaked[f"{name}_{form}"] > 0 and flat[f"{name}_{form}"] > 0
+        assert f"accept_rejection_{form}" not in peaked  # a verify block needs >= 2 rows
+    for name in ("gumbel_categorical_all_V", "sort_V", "argsort_V", "top_k_64"):
         assert peaked[name] > 0
-    assert flat["sample_top_p"] > 0 and "sort_V" not in flat
+    assert "sort_V" not in flat
