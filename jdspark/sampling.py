@@ -82,19 +82,19 @@ jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "to
 
 def unless_greedy(sp: SamplingParams, sampled, greedy):
     """``greedy()`` when every row is greedy, else ``sampled()``: decided when tracing for a static setting, at
-    run time (``lax.cond``, where ``dispatch.runtime_skips``) from ``sp.batch`` for per-row arrays that carry it;
-    else ``sampled()`` (which selects per row)."""
+    run time (``lax.cond``, in the "bisect" form of ``dispatch.sampling_form``) from ``sp.batch`` for per-row arrays
+    that carry it; else ``sampled()`` (which selects per row)."""
     if sp.greedy:
         return greedy()
-    if sp.is_static or sp.batch is None or not dispatch.runtime_skips():
+    if sp.is_static or sp.batch is None or dispatch.sampling_form() != "bisect":
         return sampled()
     return jax.lax.cond(sp.batch[0], sampled, greedy)
 
 
 def _when(flag, fn, z):
     """``fn(z)`` where a batch flag (None: unknown) says some row needs it, else ``z`` unchanged (``fn`` selects
-    per row, so where run-time skips do not pay it is applied unconditionally)."""
-    if flag is None or not dispatch.runtime_skips():
+    per row, so outside the "bisect" form of ``dispatch.sampling_form`` it is applied unconditionally)."""
+    if flag is None or dispatch.sampling_form() != "bisect":
         return fn(z)
     return jax.lax.cond(flag, fn, lambda x: x, z)
 

@@ -19,10 +19,11 @@ path has a test against its reference.
                                        absorbed on CPU (MLA_PREFILL_TILED_FORM), unabsorbed elsewhere
   MLA decode      mla_absorbed_key_tile  decode and verify on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys:
                                        equal key tiles of at most MLA_ABSORBED_KEY_TILE; else one whole-cache pass
-  run-time skips  runtime_skips        lax.cond that skips work (MoE experts, sampling's rare paths) only where
-                                       RUNTIME_SKIP_BACKENDS says it pays (the CPU); elsewhere compute and select
+  run-time skips  runtime_skips        lax.cond that skips MoE experts only where RUNTIME_SKIP_BACKENDS says it
+                                       pays (the CPU); elsewhere compute and select
   sampling        sampling_form        top-k / top-p / draws by bisection, a top-64 fast path and conds on CPU
-                                       ("bisect"), by one sort and full-vocabulary Gumbel-max elsewhere ("sort")
+                                       ("bisect"), by one sort and full-vocabulary Gumbel-max elsewhere ("sort");
+                                       sampling_form_as(form) to trace either on any backend
 """
 
 from __future__ import annotations
@@ -95,13 +96,34 @@ def runtime_skips() -> bool:
     return jax.default_backend() in RUNTIME_SKIP_BACKENDS
 
 
+SAMPLING_FORMS = ("bisect", "sort")
+_SAMPLING_FORM = [None]  # None: by the backend; else the form ``sampling_form_as`` set while tracing
+
+
+@contextlib.contextmanager
+def sampling_form_as(form: str):
+    """Trace-time context: sampling takes ``form`` whatever the backend, so both forms can be tested and timed side
+    by side on one machine (functions traced inside it must not be served from a jit cache filled outside it)."""
+    if form not in SAMPLING_FORMS:
+        raise ValueError(f"sampling_form_as: expected one of {SAMPLING_FORMS}, got {form!r}")
+    _SAMPLING_FORM.append(form)
+    try:
+        yield
+    finally:
+        _SAMPLING_FORM.pop()
+
+
 def sampling_form() -> str:
     """How ``jdspark.sampling`` finds top-k / top-p boundaries and draws: "bisect" where run-time skips pay (XLA:CPU
     sorts a 4096 vocabulary slower than a small model's decode step, so bisection over the float bits, a top-64
-    fast path behind a cond, and Gumbel noise for 64 candidates unless a row needs the rest); "sort" elsewhere (one
-    sort per row and Gumbel noise over the whole vocabulary, no cond: XLA:GPU reads every cond's predicate back to
-    the host). Both keep the same tokens (up to the rounding of a mass at the top-p boundary) and draw from the
-    same law; the second H200 run (2026-12-04) measured a sampled plain step at 1.97x a greedy one under "bisect"."""
+    fast path behind a cond, Gumbel noise for 64 candidates unless a row needs the rest, and per-batch flags that
+    skip greedy rows' sampling behind conds); "sort" elsewhere (one sort per row, Gumbel noise over the whole
+    vocabulary, every row's sampling computed and selected: no cond, which XLA:GPU would read back to the host).
+    Both keep the same tokens (up to the rounding of a mass at the top-p boundary) and draw from the same law; the
+    second H200 run (2026-12-04) measured a sampled plain step at 1.94x a greedy one under "bisect", 1.13x under
+    "sort" (docs/performance.md)."""
+    if _SAMPLING_FORM[-1] is not None:
+        return _SAMPLING_FORM[-1]
     return "bisect" if runtime_skips() else "sort"
 
 

@@ -7,15 +7,14 @@ Each figure is one operation on logits [rows, V] repeated ``--iters`` times insi
 host's dispatch is not counted), the fastest of ``--repeats`` runs, in microseconds per call. ``peaked`` logits
 (a nucleus of a few tokens at top-p 0.95, as a trained model's usually are) take top-p's fast path; ``flat`` ones
 (hundreds of tokens) its bisection. The sampling operations are timed in each of ``kimi.dispatch.sampling_form``'s
-forms (``--forms``; "bisect" is the CPU's, "sort" every other backend's: the script sets which one runs, by the
-backends that take run-time skips, to compare them side by side on one machine); ``accept_rejection`` is a verify
+forms (``--forms``; "bisect" is the CPU's, "sort" every other backend's: ``dispatch.sampling_form_as`` sets which
+one is traced, to compare them side by side on one machine); ``accept_rejection`` is a verify
 block's (``rows`` - 1 drafts). The sort and ``jax.random.categorical`` rows are the plain operations for scale.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 
@@ -24,8 +23,6 @@ import jax.numpy as jnp
 
 from jdspark import sampling
 from kimi import dispatch
-
-FORM_SKIPS = {"bisect": ("cpu", "gpu", "cuda", "rocm", "tpu"), "sort": ()}  # RUNTIME_SKIP_BACKENDS per form
 
 
 def per_call_us(op, logits_RV, iters: int, repeats: int) -> float:
@@ -49,18 +46,6 @@ def per_call_us(op, logits_RV, iters: int, repeats: int) -> float:
     return best / iters * 1e6
 
 
-@contextlib.contextmanager
-def _form(form: str):
-    """Trace inside this block under ``dispatch.sampling_form() == form``."""
-    saved = dispatch.RUNTIME_SKIP_BACKENDS
-    dispatch.RUNTIME_SKIP_BACKENDS = FORM_SKIPS[form]
-    try:
-        assert dispatch.sampling_form() == form
-        yield
-    finally:
-        dispatch.RUNTIME_SKIP_BACKENDS = saved
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=4096)
@@ -71,8 +56,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line")
     a = ap.parse_args(argv)
     forms = a.forms.split(",")
-    if any(f not in FORM_SKIPS for f in forms):
-        raise SystemExit(f"bench_sampling.py: --forms: each of {sorted(FORM_SKIPS)}, got {a.forms!r}")
+    if any(f not in dispatch.SAMPLING_FORMS for f in forms):
+        raise SystemExit(f"bench_sampling.py: --forms: each of {dispatch.SAMPLING_FORMS}, got {a.forms!r}")
     if a.vocab < 2 or a.iters < 1 or a.repeats < 1 or min(a.rows) < 1:
         raise SystemExit("bench_sampling.py: --vocab >= 2, --iters >= 1, --repeats >= 1 and --rows >= 1 expected")
     sp = sampling.SamplingParams(1.0, 0, 0.95)
@@ -103,7 +88,7 @@ def main(argv=None) -> int:
             kept = int(jnp.sum(jnp.isfinite(sampling.process_logits(z[:1], sp))))
             row = {"nucleus_tokens_row0": kept}
             for form in forms:
-                with _form(form):
+                with dispatch.sampling_form_as(form):
                     for name, op in form_ops.items():
                         if name == "accept_rejection" and R < 2:
                             continue

@@ -290,3 +290,20 @@ def test_moe_path_skips_no_experts_at_run_time_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "used"
     assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all_or_used"
+
+
+def test_sampling_form_follows_the_backend_unless_set_while_tracing(monkeypatch):
+    """Sampling sorts where run-time skips do not pay (a GPU) and bisects on the CPU; ``sampling_form_as`` sets
+    either for what is traced inside it (nested: the innermost), and names the forms when given another."""
+    assert dispatch.sampling_form() == "bisect"
+    with dispatch.sampling_form_as("sort"):
+        assert dispatch.sampling_form() == "sort"
+        with dispatch.sampling_form_as("bisect"):
+            assert dispatch.sampling_form() == "bisect"
+        assert dispatch.sampling_form() == "sort"
+    assert dispatch.sampling_form() == "bisect"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dispatch.sampling_form() == "sort"
+    with pytest.raises(ValueError, match="bisect"):
+        with dispatch.sampling_form_as("argsort"):
+            pass
