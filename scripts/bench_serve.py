@@ -29,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -332,6 +333,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5,
                     help="runs of each cell; the modes of a concurrency alternate round by round, the median counts")
+    ap.add_argument("--server-args", default="", help="more `python -m jdspark.serve` flags for --launch and "
+                    "--in-process, as one string (e.g. \"--multi-step 8 --multi-step-max-batch 16\")")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -341,15 +344,18 @@ def main(argv=None) -> int:
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}")
     conc = [int(c) for c in a.concurrency.split(",")]
+    server_args = shlex.split(a.server_args)
+    if server_args and not (a.launch or a.in_process):
+        ap.error("--server-args: only with --launch or --in-process (a running server has its flags)")
     temps = [float(t) for t in a.temperatures.split(",")]
     prompts = held_out_prompts(a.checkpoint, a.prompts, a.prompt_len)
     proc = None
     if a.launch:
-        proc, url = launch(a.checkpoint, a.port, a.slots, extra=launch_args(a.prompt_len, a.max_tokens))
+        proc, url = launch(a.checkpoint, a.port, a.slots, extra=launch_args(a.prompt_len, a.max_tokens) + server_args)
         client = HttpClient(url)
     elif a.in_process:
         client = EngineClient.from_server_args(["--checkpoint", a.checkpoint, "--slots", str(a.slots),
-                                                *launch_args(a.prompt_len, a.max_tokens)])
+                                                *launch_args(a.prompt_len, a.max_tokens), *server_args])
     else:
         client = HttpClient(a.url)
     cells = []
@@ -375,7 +381,8 @@ def main(argv=None) -> int:
     if a.plot:
         plot(cells, a.plot)
     if a.json:
-        print(json.dumps({"cells": cells, "summary": summarize(cells)}, separators=(",", ":")))
+        print(json.dumps({"cells": cells, "summary": summarize(cells), "server_args": server_args},
+                         separators=(",", ":")))
     return 0
 
 

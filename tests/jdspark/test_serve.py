@@ -337,3 +337,24 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
         assert [queues[q].get_nowait().token_ids[0] for q in range(3)] == [30, 31, 32]
     finally:
         loop.close()
+
+
+def test_multi_step_flags_reach_the_slots():
+    """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default 2), is
+    checked, and make_engine hands it to the slots; bench_serve passes --server-args only to a server it starts."""
+    import sys
+
+    from jdspark import serve
+
+    assert serve.parse_args([]).multi_step_max_batch == 2
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--multi-step-max-batch", "0"])
+    a = serve.parse_args(["--checkpoint", "checkpoints/default", "--slots", "2", "--max-len", "256",
+                          "--prompt-buckets", "64", "--multi-step", "3", "--multi-step-max-batch", "1"])
+    _, backend, *_ = serve.make_engine(a)
+    assert (backend.steps_for(1), backend.steps_for(2)) == (3, 1)
+    sys.path.insert(0, "scripts")
+    import bench_serve
+
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--url", "http://127.0.0.1:1", "--server-args", "--multi-step 8"])
