@@ -369,11 +369,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
                          "decides: chunks of 1024 above 4096 tokens)")
     ap.add_argument("--multi-step", type=int, default=4,
-                    help="steps per device launch at batch buckets <= --multi-step-max-batch while no request waits "
-                         "(1: one per launch)")
-    ap.add_argument("--multi-step-max-batch", type=int, default=2,
-                    help="the largest batch bucket launched --multi-step steps at a time (a step's host round trip "
-                         "weighs most at small batches on a CPU; on a GPU, where the engine is host-bound, larger)")
+                    help="steps per device launch (at batch buckets <= --multi-step-max-batch) while no request "
+                         "waits (1: one per launch)")
+    ap.add_argument("--multi-step-max-batch", type=int, default=4,
+                    help="the largest batch bucket launched --multi-step steps at a time (0: every bucket); above it "
+                         "one step a launch, where adaptive verification re-plans every step (docs/serving.md)")
     ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions of each stream, from a ring buffer "
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
@@ -383,8 +383,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.multi_step < 1:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
-    if a.multi_step_max_batch < 1:
-        ap.error(f"--multi-step-max-batch: expected an int >= 1, got {a.multi_step_max_batch}")
+    if a.multi_step_max_batch < 0:
+        ap.error(f"--multi-step-max-batch: expected an int >= 0 (0: every batch bucket), got {a.multi_step_max_batch}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
     return a
@@ -401,7 +401,7 @@ def make_engine(a: argparse.Namespace):
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
-                          multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch,
+                          multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,

@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5,
                     help="runs of each cell; the modes of a concurrency alternate round by round, the median counts")
     ap.add_argument("--server-args", default="", help="more `python -m jdspark.serve` flags for --launch and "
-                    "--in-process, as one string (e.g. \"--multi-step 8 --multi-step-max-batch 16\")")
+                    "--in-process, as one string (e.g. \"--multi-step 8 --multi-step-max-batch 0\")")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

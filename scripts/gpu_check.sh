@@ -17,7 +17,7 @@
 #            time per step from the device's op line, and the generation's wall time against its device-busy time
 #            (what the host costs a step there); timeout 150 s each;
 #   serve    issue 17's load test, `scripts/bench_serve.py --launch --json` (SERVE_ARGS, default
-#            "--rounds 2"; e.g. --server-args "--multi-step-max-batch 16" to launch several steps at a time at every
+#            "--rounds 2"; e.g. --server-args "--multi-step-max-batch 0" to launch several steps at a time at every
 #            batch): the server and its clients on the GPU machine's CPUs, the engine on the GPU; it ends by
 #            SERVE_END_BY s (default 560); per-cell lines in $OUT/bench_serve.log survive a time-out. The image has
 #            no FastAPI / uvicorn / pydantic: carry them as wheels in .whl (name .whl in carry; installed under

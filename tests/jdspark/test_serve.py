@@ -340,19 +340,24 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
 
 
 def test_multi_step_flags_reach_the_slots():
-    """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default 2), is
-    checked, and make_engine hands it to the slots; bench_serve passes --server-args only to a server it starts."""
+    """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default 4; 0: every
+    bucket), is checked, and make_engine hands it to the slots; bench_serve passes --server-args only to a server it
+    starts."""
     import sys
 
     from jdspark import serve
 
-    assert serve.parse_args([]).multi_step_max_batch == 2
+    assert serve.parse_args([]).multi_step_max_batch == 4
     with pytest.raises(SystemExit):
-        serve.parse_args(["--multi-step-max-batch", "0"])
+        serve.parse_args(["--multi-step-max-batch", "-1"])
     a = serve.parse_args(["--checkpoint", "checkpoints/default", "--slots", "2", "--max-len", "256",
                           "--prompt-buckets", "64", "--multi-step", "3", "--multi-step-max-batch", "1"])
     _, backend, *_ = serve.make_engine(a)
     assert (backend.steps_for(1), backend.steps_for(2)) == (3, 1)
+    for flag, want in ((["--multi-step-max-batch", "0"], [4] * 5), ([], [4, 4, 4, 4, 1])):  # buckets 1, 2, 4, 8
+        _, backend, *_ = serve.make_engine(serve.parse_args(["--slots", "8", "--max-len", "256", "--prompt-buckets",
+                                                             "64", *flag]))
+        assert [backend.steps_for(n) for n in (1, 2, 3, 4, 5)] == want
     sys.path.insert(0, "scripts")
     import bench_serve
 
