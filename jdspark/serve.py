@@ -34,7 +34,7 @@ from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 from jdspark.serve_metrics import ServeMetrics
-from jdspark.slots import SlotBackend
+from jdspark.slots import MULTI_STEP_MAX_BATCH, SlotBackend
 
 __all__ = ["ApiError", "build_app", "parse_completion"]
 
@@ -371,7 +371,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--multi-step", type=int, default=4,
                     help="steps per device launch (at batch buckets <= --multi-step-max-batch) while no request "
                          "waits (1: one per launch)")
-    ap.add_argument("--multi-step-max-batch", type=int, default=4,
+    ap.add_argument("--multi-step-max-batch", type=int, default=MULTI_STEP_MAX_BATCH,
                     help="the largest batch bucket launched --multi-step steps at a time (0: every bucket); above it "
                          "one step a launch, where adaptive verification re-plans every step (docs/serving.md)")
     ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",

@@ -59,6 +59,11 @@ __all__ = ["SlotBackend", "buckets_up_to"]
 # width can be off (this machine's load varies), which would otherwise keep that width out for good.
 EXPLORE_EVERY = 64
 
+# Multi-step launches (``multi_step`` > 1) at batch buckets up to this: at 4 rows a one-step launch cost 8.7 ms a
+# token against 5.5 in 4-step launches on the shipped pair; at 16 adaptive verification lost with them (it plans
+# once a launch), so larger buckets take one step a launch (docs/serving.md, "Multi-step scheduling").
+MULTI_STEP_MAX_BATCH = 4
+
 
 def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     """Powers of two from ``smallest`` up to and including n."""
@@ -153,7 +158,8 @@ class SlotBackend:
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
-                 prefill_chunk: Optional[int] = None, multi_step: int = 1, multi_step_max_batch: int = 2):
+                 prefill_chunk: Optional[int] = None, multi_step: int = 1,
+                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
