@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Optional
 
+import jax
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,7 +35,7 @@ from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 from jdspark.serve_metrics import ServeMetrics
-from jdspark.slots import MULTI_STEP_MAX_BATCH, SlotBackend
+from jdspark.slots import SlotBackend, multi_step_plan
 
 __all__ = ["ApiError", "build_app", "parse_completion"]
 
@@ -368,12 +369,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
                          "decides: chunks of 1024 above 4096 tokens)")
-    ap.add_argument("--multi-step", type=int, default=4,
+    ap.add_argument("--multi-step", type=int, default=None,
                     help="steps per device launch (at batch buckets <= --multi-step-max-batch) while no request "
-                         "waits (1: one per launch)")
-    ap.add_argument("--multi-step-max-batch", type=int, default=MULTI_STEP_MAX_BATCH,
+                         "waits (1: one per launch); default: jdspark.slots.multi_step_plan for the platform (4 on "
+                         "a CPU, 8 on a GPU)")
+    ap.add_argument("--multi-step-max-batch", type=int, default=None,
                     help="the largest batch bucket launched --multi-step steps at a time (0: every bucket); above it "
-                         "one step a launch, where adaptive verification re-plans every step (docs/serving.md)")
+                         "one step a launch, where adaptive verification re-plans every step (docs/serving.md); "
+                         "default: multi_step_plan's (4 on a CPU, every bucket on a GPU)")
     ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions of each stream, from a ring buffer "
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
@@ -381,6 +384,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "more than from a longer context, docs/performance.md)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
+    plan = multi_step_plan(jax.default_backend())
+    a.multi_step = plan[0] if a.multi_step is None else a.multi_step
+    a.multi_step_max_batch = plan[1] if a.multi_step_max_batch is None else a.multi_step_max_batch
     if a.multi_step < 1:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
     if a.multi_step_max_batch < 0:

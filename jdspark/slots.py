@@ -65,6 +65,16 @@ EXPLORE_EVERY = 64
 MULTI_STEP_MAX_BATCH = 4
 
 
+def multi_step_plan(platform: str) -> tuple:
+    """The server's default (steps per launch, largest batch bucket launched so; 0: every bucket) on ``platform``
+    (``jax.default_backend()``). The CPU: (4, MULTI_STEP_MAX_BATCH), from in-process A B B A runs (above). Elsewhere
+    (a GPU): (8, every bucket). On the H200 a launch cost the host 1.2-1.5 ms whatever its size (XLA:GPU enqueues
+    the program's kernels and reads each loop's predicate back from the caller's thread), so one-step launches were
+    host-bound at every batch: 8-step launches measured 2.02 -> 0.61 ms a step at 1 row x width 1, 2.06 -> 0.85 at
+    16 x 1 and 2.96 -> 1.59 at 16 x 8 (docs/h200/run4, docs/performance.md "The server on an H200")."""
+    return (4, MULTI_STEP_MAX_BATCH) if platform == "cpu" else (8, 0)
+
+
 def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     """Powers of two from ``smallest`` up to and including n."""
     out, b = [], smallest
@@ -120,16 +130,21 @@ def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_l
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps",
                                              "extend_context"), donate_argnames=("state",))
-def _step(t_graph, d_graph, t_state, d_state, state, rows_b, temp_b, topk_b, topp_b, cap_b, *, width, confidence,
-          all_slots=False, steps=1, extend_context=True):
-    """``steps`` steps of the rows ``rows_b`` (slot indices; a padded bucket may repeat a row: only its first copy
-    is written back, and copies compute the same thing), each at ``width``; outputs stacked [steps, b, ...].
-    ``all_slots``: ``rows_b`` is every slot in order, so the state is stepped as it is (no gather of the rows and
-    scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a ``lax.scan``): one launch, one gather and
-    scatter and one read-back for several steps (multi-step scheduling: the host's round trip per step is what a
-    batch-1 step spends most on here). ``extend_context`` False (width 1 only): the plain step leaves the drafter's
-    context as it is (no drafter work at all): for rows that never draft (draft cap 0 for their whole request)."""
+def _step(t_graph, d_graph, t_state, d_state, state, host_b5, *, width, confidence, all_slots=False, steps=1,
+          extend_context=True):
+    """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_b5``: float32 [b, 5],
+    per row its slot index, top_k, temperature, top_p and draft cap, the host's inputs packed into one array (the
+    integers are exact in float32 below 2^24): each array a launch takes from the host is a transfer of its own,
+    ~60 us apiece on the H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy
+    is written back, and copies compute the same thing. ``all_slots``: the rows are every slot in order, so the
+    state is stepped as it is (no gather of the rows and scatter back: ~2 x the state's bytes of copying).
+    ``steps`` > 1 (a ``lax.scan``): one launch, one gather and scatter and one read-back for several steps
+    (multi-step scheduling: the host's round trip per step is what a batch-1 step spends most on here).
+    ``extend_context`` False (width 1 only): the plain step leaves the drafter's context as it is (no drafter work
+    at all): for rows that never draft (draft cap 0 for their whole request)."""
     target, drafter = _merge(t_graph, t_state), _merge(d_graph, d_state)
+    rows_b, topk_b, cap_b = (host_b5[:, j].astype(jnp.int32) for j in (0, 1, 4))
+    temp_b, topp_b = host_b5[:, 2], host_b5[:, 3]
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
     batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
 
@@ -239,13 +254,14 @@ class SlotBackend:
             raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
         media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
         cap = self.G if req.speculative else 0
-        self.params[slot] = (req.temperature, req.top_k, req.top_p, cap)
+        top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-        first = self._prefill(slot, padded, n, req.seed, req.temperature, req.top_k, req.top_p, media, chunk)
+        first = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk)
         return StepOutput([int(np.asarray(first)[0])])
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
@@ -346,9 +362,9 @@ class SlotBackend:
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         launched = time.perf_counter()
-        self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
-                                rows, self.params[rows, 0].astype(np.float32), self.params[rows, 1].astype(np.int32),
-                                self.params[rows, 2].astype(np.float32), caps.astype(np.int32),
+        host_b5 = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
+                                   caps]).astype(np.float32)
+        self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_b5,
                                 width=W, confidence=self.adaptive and W > 1,
                                 all_slots=all_slots, steps=steps, extend_context=extend)
         self.width_counts[W] += steps

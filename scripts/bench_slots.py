@@ -2,6 +2,7 @@
 
   python scripts/bench_slots.py --json                          # the shipped pair, 16 slots, caches of 320
   python scripts/bench_slots.py --slots 16 --max-len 1024 --batches 1,4,16 --json
+  python scripts/bench_slots.py --batches 1,16 --widths 1,8 --steps-per-launch 8 --json   # + 8-step launches
 
 Each figure is ``SlotBackend.step`` (``jdspark/slots.py``) as the engine calls it: the host's dispatch, the
 device step of b active slots at verify width W and the host reading its tokens back, in milliseconds, the fastest
@@ -11,7 +12,11 @@ traffic runs); true, the drafter's context extended (as adaptive's plain steps o
 filled by a held-out prompt of ``--prompt-len`` tokens first; ``greedy`` rows have temperature 0, ``sampled`` rows
 T = 1 (top-p 1). ``per_token_ms`` divides by the b rows (a plain decode commits one token per row; a verify commits
 accept_len). ``generate_plain_ms``: batch-1 ``jdspark.generate``'s plain decoding per token from the same prompt
-(one device program, no host round trip per step), beside it for comparison.
+(one device program, no host round trip per step), beside it for comparison. Beside ``step_ms`` (launched and
+waited for one at a time), ``dispatch_ms`` (the host's part of a launch) and ``pipelined_ms`` (launches enqueued
+back to back) say how much of a served step is the host's; ``--steps-per-launch K`` adds each cell in launches
+of K steps (the engine's multi-step scheduling, ``jdspark.slots.multi_step_plan``). ``launch_arg_ms``: what a
+launch costs the host by its arguments alone (``launch_arg_ms``'s docstring).
 """
 
 from __future__ import annotations
@@ -29,33 +34,82 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
-def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int, cap: int) -> float:
+def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int, cap: int, steps: int = 1) -> dict:
     """The fastest of ``repeats`` rounds of ``iters`` steps, each round from freshly prefilled slots whose draft
-    caps are ``cap`` (at width 1: 0, rows that never draft, no drafter work; G, the drafter's context extended)."""
+    caps are ``cap`` (at width 1: 0, rows that never draft, no drafter work; G, the drafter's context extended).
+    Three figures a step, in ms: ``step_ms``, launched and waited for one at a time (the engine's round trip);
+    ``dispatch_ms``, the host's part of a launch (``launch`` returning: argument handling and the enqueue);
+    ``pipelined_ms``, ``iters`` launches enqueued back to back and read afterwards (the device's pace with the
+    host out of the way: step_ms - pipelined_ms is what the host's round trip adds to a served step).
+    ``steps`` > 1: launches of that many steps (multi-step scheduling), ``iters // steps`` of them a round; the
+    figures stay per step except ``dispatch_ms``, per launch."""
     slots = list(range(batch))
-    best = float("inf")
+    launches = max(1, iters // steps)
+    best = {"step_ms": float("inf"), "dispatch_ms": float("inf"), "pipelined_ms": float("inf")}
     for r in range(repeats + 1):
         refill(batch)
         be.params[slots, 3] = cap
         if r == 0:
-            be.step(slots, width=width)  # compile
+            be.collect(be.launch(slots, width=width, steps=steps))  # compile
             continue
+        dispatch = 0.0
         t0 = time.perf_counter()
-        for _ in range(iters):
-            be.step(slots, width=width)
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best * 1e3
+        for _ in range(launches):
+            t1 = time.perf_counter()
+            h = be.launch(slots, width=width, steps=steps)
+            dispatch += time.perf_counter() - t1
+            be.collect(h)
+        best["step_ms"] = min(best["step_ms"], (time.perf_counter() - t0) / (launches * steps) * 1e3)
+        best["dispatch_ms"] = min(best["dispatch_ms"], dispatch / launches * 1e3)
+        refill(batch)
+        be.params[slots, 3] = cap
+        t0 = time.perf_counter()
+        for h in [be.launch(slots, width=width, steps=steps) for _ in range(launches)]:
+            be.collect(h)
+        best["pipelined_ms"] = min(best["pipelined_ms"], (time.perf_counter() - t0) / (launches * steps) * 1e3)
+    return best
 
 
-def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int) -> dict:
+def launch_arg_ms(calls: int = 30) -> dict:
+    """What a jit launch costs the host by its arguments (the median of ``calls``, ms): a trivial program taking
+    1, 30 or 300 device arrays (a launch of the engine passes ~300 weight and state leaves), and 5 small NumPy
+    arrays against 1 (each NumPy argument is a host-to-device transfer of its own: why a launch packs its per-row
+    inputs into one [b, 5] array)."""
+    import jax
+    import jax.numpy as jnp
+
+    def median_ms(f, *args):
+        jax.block_until_ready(f(*args))
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            out = f(*args)
+            ts.append(time.perf_counter() - t0)
+            jax.block_until_ready(out)
+        return float(np.median(ts)) * 1e3
+
+    res = {}
+    for n in (1, 30, 300):
+        xs = tuple(jnp.ones((256, 256)) for _ in range(n))
+        res[f"device_arrays_{n}"] = median_ms(jax.jit(lambda xs, y: (y + 1, xs[0][0, 0])), xs, jnp.ones(4))
+    five = [np.zeros(16, np.float32) for _ in range(5)]
+    res["numpy_arrays_5"] = median_ms(jax.jit(lambda a, b, c, d, e: a + b + c + d + e), *five)
+    res["numpy_arrays_1"] = median_ms(jax.jit(lambda a: a + 1), np.zeros((16, 5), np.float32))
+    return res
+
+
+def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
+        steps_per_launch: int = 1) -> dict:
     import jdspark
     from jdspark.engine import SamplingRequest
     from jdspark.slots import SlotBackend
 
     P = max(len(p) for p in prompts)
-    be = SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,))
+    K = int(steps_per_launch)
+    be = SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,), multi_step=K,
+                     multi_step_max_batch=slots)
     room = max_len - P - be.G - 2  # steps run past a request's own limit here: the cache is the bound
-    if (iters + 1) * max(widths) > room:
+    if (max(iters, K) + K) * max(widths) > room:
         raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
                          f"after a {P}-token prompt; raise --max-len or lower --iters")
     rows = []
@@ -67,16 +121,17 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
         for b in batches:
             for w in widths:
                 for cap in be.program_caps(w):
-                    ms = step_ms(be, refill, b, w, iters, repeats, cap)
-                    rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0, "step_ms": ms,
-                                 "per_token_ms": ms / b})
+                    for k in sorted({1, K}):
+                        ms = step_ms(be, refill, b, w, iters, repeats, cap, k)
+                        rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0,
+                                     "steps_per_launch": k, **ms, "per_token_ms": ms["step_ms"] / b})
     p0 = np.asarray(prompts[0])
     jdspark.generate(target, None, p0, max_new_tokens=64)
     t0 = time.perf_counter()
     out = jdspark.generate(target, None, p0, max_new_tokens=64)
     gen_ms = (time.perf_counter() - t0) / max(len(out.tokens), 1) * 1e3
     return {"steps": rows, "slots": slots, "max_len": max_len, "prompt_len": P, "generate_plain_ms": gen_ms,
-            "iters": iters, "repeats": repeats}
+            "iters": iters, "repeats": repeats, "steps_per_launch": K, "launch_arg_ms": launch_arg_ms()}
 
 
 def main(argv=None) -> int:
@@ -93,6 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default=None, help="default: 1, 2, 4 and the drafter's whole block")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps-per-launch", type=int, default=1,
+                    help="K > 1: each (rows, batch, width) also in launches of K steps (multi-step scheduling)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     target, drafter, note = gen.load_pair(a.checkpoint)
@@ -104,12 +161,16 @@ def main(argv=None) -> int:
     G = drafter.config.block_size if drafter is not None else 0
     widths = ([int(x) for x in a.widths.split(",")] if a.widths else sorted({1, 2, 4, G + 1} if G else {1}))
     prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
+    if a.steps_per_launch < 1:
+        ap.error(f"--steps-per-launch: expected an int >= 1, got {a.steps_per_launch}")
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
-              iters=a.iters, repeats=a.repeats)
+              iters=a.iters, repeats=a.repeats, steps_per_launch=a.steps_per_launch)
     for r in res["steps"]:
         ctx = "+ctx" if r["drafter_context"] and r["width"] == 1 else ""
-        print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['width']}{ctx:4s}: {r['step_ms']:7.2f} ms/step, "
-              f"{r['per_token_ms']:6.2f} ms per row", file=sys.stderr)
+        print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['width']}{ctx:4s} x{r['steps_per_launch']}: "
+              f"{r['step_ms']:7.2f} ms/step, "
+              f"{r['per_token_ms']:6.2f} ms per row; dispatch {r['dispatch_ms']:6.3f} ms a launch, pipelined "
+              f"{r['pipelined_ms']:7.2f} ms/step", file=sys.stderr)
     print(f"[bench_slots] batch-1 generate, plain: {res['generate_plain_ms']:.2f} ms/token", file=sys.stderr)
     if a.json:
         print(json.dumps(res, separators=(",", ":")))

@@ -16,6 +16,10 @@
 #   profile  scripts/bench_profile.py --json on the GPU, plain / DSpark greedy / DSpark T=1: each phase's device
 #            time per step from the device's op line, and the generation's wall time against its device-busy time
 #            (what the host costs a step there); timeout 150 s each;
+#   slots    scripts/bench_slots.py --json --batches 1,16 --widths 1,8 --steps-per-launch 8: a served step per batch
+#            and width, as the engine's round trip, the host's dispatch alone, and launches enqueued back to back
+#            (the device's pace), in launches of 1 and of 8 steps: how much of a served step is the host's (run 4,
+#            docs/h200/run4: 1.2-1.5 ms a launch of ~2-3 ms a step); timeout 240 s;
 #   serve    issue 17's load test, `scripts/bench_serve.py --launch --json` (SERVE_ARGS, default
 #            "--rounds 2"; e.g. --server-args "--multi-step-max-batch 0" to launch several steps at a time at every
 #            batch): the server and its clients on the GPU machine's CPUs, the engine on the GPU; it ends by
@@ -27,7 +31,9 @@
 #                pydantic_core==2.50.5 uvicorn==0.54.0 annotated-types==0.8.0 typing-inspection==0.4.5 \
 #                typing_extensions==4.16.0 opentelemetry-api==1.45.2      # the versions requirements/lock.txt pins
 #
-# Stated timeout: the whole script ends within 560 s; run it with the device tool as
+# The serve stage's server compiles every program before its first request: give it most of a run (run 4 gave
+# it 190 s after the slots stage and it had not answered /health by then). Stated timeout: the whole script ends
+# within 560 s; run it with the device tool as
 #     run(command="bash scripts/gpu_check.sh", timeout_s=600)                       # issue 7 (+ the pair)
 #     run(command="GPU_CHECK_STAGES='pair serve' PAIR_END_BY=200 bash scripts/gpu_check.sh", carry=[".whl"],
 #         timeout_s=600)                                                              # issues 16 and 17
@@ -122,6 +128,12 @@ stage_profile() {
       | "$PY" -c "import json,sys; r=json.loads(sys.stdin.read().strip().splitlines()[-1]); print('$name', {k: r.get(k) \
 for k in ('trace_lines', 'wall_ms', 'busy_ms', 'target_steps', 'accept_len', 'phase_ms_per_step')})" || rc=1
   done
+}
+
+# what a served step costs the host and the device (the engine's launch / collect round trip against back to back)
+stage_slots() {
+  timeout 240 "$PY" scripts/bench_slots.py --json --batches 1,16 --widths 1,8 --iters 8 --repeats 3 --steps-per-launch 8 \
+    2> >(tee "$OUT/bench_slots.log" | grep "ms/step" >&2) > "$OUT/bench_slots_gpu.json" || rc=1
 }
 
 # issue 17's load test: the server on this machine, its engine on the GPU

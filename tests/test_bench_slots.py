@@ -28,12 +28,18 @@ def pair():
 
 def test_step_times_per_batch_and_width(pair):
     prompts = [list(np.random.default_rng(i).integers(4, 200, 12)) for i in range(2)]
-    res = bench_slots.run(*pair, prompts, slots=2, max_len=64, batches=[2], widths=[1, 4], iters=2, repeats=1)
-    got = {(r["rows"], r["batch"], r["width"]) for r in res["steps"]}
-    assert got == {(n, 2, w) for n in ("greedy", "sampled") for w in (1, 4)}
+    res = bench_slots.run(*pair, prompts, slots=2, max_len=64, batches=[2], widths=[1, 4], iters=2, repeats=1,
+                          steps_per_launch=2)
+    got = {(r["rows"], r["batch"], r["width"], r["steps_per_launch"]) for r in res["steps"]}
+    assert got == {(n, 2, w, k) for n in ("greedy", "sampled") for w in (1, 4) for k in (1, 2)}
     for r in res["steps"]:
         assert r["step_ms"] > 0 and r["per_token_ms"] == pytest.approx(r["step_ms"] / r["batch"])
+        # a launch's dispatch is part of its round trip (steps_per_launch steps)
+        assert 0 < r["dispatch_ms"] < r["step_ms"] * r["steps_per_launch"] and r["pipelined_ms"] > 0
     assert res["generate_plain_ms"] > 0
+    assert set(res["launch_arg_ms"]) == {"device_arrays_1", "device_arrays_30", "device_arrays_300",
+                                         "numpy_arrays_5", "numpy_arrays_1"}
+    assert all(v > 0 for v in res["launch_arg_ms"].values())
     json.dumps(res)
     with pytest.raises(ValueError, match="overflow"):
         bench_slots.run(*pair, prompts, slots=2, max_len=40, batches=[1], widths=[4], iters=8, repeats=1)

@@ -340,14 +340,18 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
 
 
 def test_multi_step_flags_reach_the_slots():
-    """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default 4; 0: every
-    bucket), is checked, and make_engine hands it to the slots; bench_serve passes --server-args only to a server it
-    starts."""
+    """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default: the
+    platform's plan, 4 on a CPU, every bucket on a GPU; 0: every bucket), is checked, and make_engine hands it to
+    the slots; bench_serve passes --server-args only to a server it starts."""
     import sys
 
     from jdspark import serve
+    from jdspark.slots import multi_step_plan
 
-    assert serve.parse_args([]).multi_step_max_batch == 4
+    a = serve.parse_args([])
+    assert (a.multi_step, a.multi_step_max_batch) == multi_step_plan("cpu") == (4, 4)
+    assert multi_step_plan("gpu") == (8, 0)
+    assert serve.parse_args(["--multi-step", "2"]).multi_step == 2
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-max-batch", "-1"])
     a = serve.parse_args(["--checkpoint", "checkpoints/default", "--slots", "2", "--max-len", "256",
