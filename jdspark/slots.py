@@ -34,7 +34,9 @@ otherwise (adaptive's plain steps).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
+import os
 import time
 from typing import Optional, Sequence
 
@@ -58,6 +60,9 @@ __all__ = ["SlotBackend", "buckets_up_to"]
 # priced by adaptive.retime_extra): the cost table only learns from steps it runs, and warm_up's timing of a
 # width can be off (this machine's load varies), which would otherwise keep that width out for good.
 EXPLORE_EVERY = 64
+
+# ``SlotBackend.compile_all``: at most this many programs compile at once (each compile holds its own XLA memory).
+COMPILE_THREADS = 8
 
 # Multi-step launches (``multi_step`` > 1) at batch buckets up to this: at 4 rows a one-step launch cost 8.7 ms a
 # token against 5.5 in 4-step launches on the shipped pair; at 16 adaptive verification lost with them (it plans
@@ -269,11 +274,16 @@ class SlotBackend:
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here)."""
-        self.state, first = _insert(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
-                                    np.int32(slot), np.asarray(padded_1P, np.int32), np.int32(n),
-                                    jax.random.key(seed), np.float32(temperature), np.int32(top_k),
-                                    np.float32(top_p), media_PD, max_len=self.max_len, chunk=chunk)
+        args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk)
+        self.state, first = _insert(*args, **kw)
         return first
+
+    def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
+                     media_PD, chunk) -> tuple:
+        """``_insert``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
+        return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
+                 np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
+                 np.int32(top_k), np.float32(top_p), media_PD), dict(max_len=self.max_len, chunk=chunk))
 
     def _media(self, req: SamplingRequest, P: int):
         """The request's image features padded to [P, D] (rows past its M placeholders unused), or None for a
@@ -358,15 +368,10 @@ class SlotBackend:
                                                                             np.int32)
         caps = self.params[rows, 3]
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
-        # rows that never draft (cap 0: ``speculative: false``, free slots) need no drafter context: a plain step of
-        # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
-        extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         launched = time.perf_counter()
-        host_b5 = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps]).astype(np.float32)
-        self.state, out = _step(self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_b5,
-                                width=W, confidence=self.adaptive and W > 1,
-                                all_slots=all_slots, steps=steps, extend_context=extend)
+        args, kw = self._step_args(rows, W, steps)
+        extend = kw["extend_context"]
+        self.state, out = _step(*args, **kw)
         self.width_counts[W] += steps
         self.launch_steps[steps] += 1
         self.ran(b, W)
@@ -375,6 +380,19 @@ class SlotBackend:
                 # the cost table is of steps that keep the drafter's context (adaptive schedules drafting rows)
                 "timed": width is None and extend,
                 "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
+
+    def _step_args(self, rows: np.ndarray, W: int, steps: int) -> tuple:
+        """``_step``'s arguments for the rows ``rows`` (slot indices, a whole batch bucket) at width W: the one
+        place a launch and the ahead-of-time compile of ``warm_up`` build them, so both name the same program."""
+        caps = self.params[rows, 3]
+        # rows that never draft (cap 0: ``speculative: false``, free slots) need no drafter context: a plain step of
+        # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
+        extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
+        host_b5 = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
+                                   caps]).astype(np.float32)
+        return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_b5),
+                dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
+                     steps=int(steps), extend_context=extend))
 
     def collect(self, h: dict) -> dict:
         """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
@@ -424,13 +442,49 @@ class SlotBackend:
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0)
 
+    def programs(self) -> list:
+        """Every program serving runs, as (jitted function, args, static kwargs): each text prompt bucket's insert
+        and each (batch bucket, width, draft cap program, steps per launch) step. (An image prompt's insert, whose
+        features come from the vision tower, compiles in ``warm_up``'s runs.)"""
+        out = []
+        for P in self.prompt_buckets:
+            padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
+            out.append((_insert, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
+                                                    dispatch.prefill_chunk(P, self.prefill_chunk))))
+        saved = self.params.copy()
+        try:
+            for b in self.batch_buckets:
+                rows = np.arange(b, dtype=np.int32)
+                for w in self.widths:
+                    for cap in self.program_caps(w):
+                        self.params[:b, 3] = cap
+                        for k in sorted({1, self.steps_for(b)}):
+                            out.append((_step, *self._step_args(rows, 1 if self.drafter is None else w, k)))
+        finally:
+            self.params[:] = saved
+        return out
+
+    def compile_all(self, threads: Optional[int] = None) -> int:
+        """Compile ``programs()`` ahead of time, ``threads`` at a time (default: the machine's cores, at most
+        COMPILE_THREADS): XLA compiles outside the GIL, so on a many-core host start-up takes a fraction of one
+        compile after another (on the H200 machine the server's ~50 programs had not compiled in 190 s, one at a
+        time). A jitted call of the same arguments afterwards reuses the executable (it traces, no compile:
+        ``tests/jdspark/test_slots.py``). Returns the number of programs."""
+        progs = self.programs()
+        n = max(1, min(threads or (os.cpu_count() or 1), COMPILE_THREADS))
+        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jdspark-compile") as pool:
+            list(pool.map(lambda p: p[0].lower(*p[1], **p[2]).compile(), progs))
+        return len(progs)
+
     def warm_up(self, reps: int = 5) -> dict:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
         verification also time each step program (``reps`` runs after its compile; their median) into the cost
         table the scheduler reads, per step of a launch as serving launches them (``steps_for``: at small buckets
         several steps a launch, whose host round trip a single step's timing would charge to one step: a 1 x 8
         step timed alone at 12.5 ms was served at ~7.5, which kept the whole block out until served steps
-        re-timed it). Returns the table {(batch, width): seconds}."""
+        re-timed it). Returns the table {(batch, width): seconds}. The programs are compiled ahead of time first,
+        several at once (``compile_all``); the runs below then find them compiled."""
+        self.compile_all()
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)

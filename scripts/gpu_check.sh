@@ -20,6 +20,11 @@
 #            and width, as the engine's round trip, the host's dispatch alone, and launches enqueued back to back
 #            (the device's pace), in launches of 1 and of 8 steps: how much of a served step is the host's (run 4,
 #            docs/h200/run4: 1.2-1.5 ms a launch of ~2-3 ms a step); timeout 240 s;
+#   graphs   the slots stage's step timings (one step a launch) with XLA's command buffers (CUDA graphs) extended
+#            to loops and conditionals (GRAPH_FLAGS; default FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,
+#            CONDITIONAL): whether a launch's host cost (run 4: 1.0-1.9 ms, the program's kernels enqueued one by one
+#            from the caller's thread) falls when the program is replayed as graphs; compare with the slots stage of
+#            the same run; timeout 200 s;
 #   serve    issue 17's load test, `scripts/bench_serve.py --launch --json` (SERVE_ARGS, default
 #            "--rounds 2"; e.g. --server-args "--multi-step-max-batch 0" to launch several steps at a time at every
 #            batch): the server and its clients on the GPU machine's CPUs, the engine on the GPU; it ends by
@@ -134,6 +139,13 @@ for k in ('trace_lines', 'wall_ms', 'busy_ms', 'target_steps', 'accept_len', 'ph
 stage_slots() {
   timeout 240 "$PY" scripts/bench_slots.py --json --batches 1,16 --widths 1,8 --iters 8 --repeats 3 --steps-per-launch 8 \
     2> >(tee "$OUT/bench_slots.log" | grep "ms/step" >&2) > "$OUT/bench_slots_gpu.json" || rc=1
+}
+
+# the same steps with command buffers over loops and conditionals (a launch's host cost, against stage slots)
+stage_graphs() {
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=${GRAPH_FLAGS:-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}" \
+    timeout 200 "$PY" scripts/bench_slots.py --json --batches 1,16 --widths 1,8 --iters 8 --repeats 3 \
+    2> >(tee "$OUT/bench_slots_graphs.log" | grep "ms/step" >&2) > "$OUT/bench_slots_graphs_gpu.json" || rc=1
 }
 
 # issue 17's load test: the server on this machine, its engine on the GPU

@@ -378,3 +378,37 @@ def test_a_windowed_drafter_serves_what_batch_one_generate_makes(pair, backend):
     finally:
         be.free(0)
         backend.free(0)
+
+
+def test_warm_up_runs_what_compile_all_compiled(pair):
+    """``compile_all`` compiles every program a backend serves ahead of time, two at a time; ``warm_up`` then runs
+    each of them without one more compile (no compile request reaches XLA or the persistent cache): the ahead-of-
+    time arguments and a launch's are built in one place and name the same programs. A backend of a shape no other
+    test builds (12 slots, caches of 96), so its programs are new to this process."""
+    from jax import monitoring
+
+    target, drafter, _ = pair
+    be = SlotBackend(target, drafter, num_slots=12, max_len=96, prompt_buckets=(16,), batch_buckets=(12,),
+                     widths=(1, drafter.config.block_size + 1))
+    events = []
+    compiles = {"/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/compile_requests_use_cache"}
+
+    def on_event(name, *args, **kw):
+        if name in compiles:
+            events.append(name)
+
+    monitoring.register_event_listener(on_event)
+    monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        assert len(be.programs()) == 4  # the insert; width 1 twice (without and with the drafter's context); G + 1
+        assert be.compile_all(threads=2) == 4
+        # a compile request per program: through the persistent cache where it is on (tests/conftest.py), else
+        # straight to XLA
+        req = "/jax/compilation_cache/compile_requests_use_cache"
+        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 4
+        del events[:]
+        be.warm_up()
+        assert events == []
+    finally:
+        monitoring.unregister_event_listener(on_event)
+        monitoring.unregister_event_duration_listener(on_event)
