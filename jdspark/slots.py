@@ -366,7 +366,6 @@ class SlotBackend:
         all_slots = b == self.num_slots
         rows = np.arange(b, dtype=np.int32) if all_slots else np.array(slots + [slots[0]] * (b - len(slots)),
                                                                             np.int32)
-        caps = self.params[rows, 3]
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
         launched = time.perf_counter()
         args, kw = self._step_args(rows, W, steps)
