@@ -43,9 +43,11 @@
 #     run(command="GPU_CHECK_STAGES='pair serve' PAIR_END_BY=200 bash scripts/gpu_check.sh", carry=[".whl"],
 #         timeout_s=600)                                                              # issues 16 and 17
 # and read $OUT/*.json (bench_progress.log / bench_serve.log if a stage timed out), $OUT/gpu_tests.log, $OUT/env.txt.
-# The runs so far (2026-12-04: the first with the default stages; then "serve pair", then "sampling pair") are in
-# docs/performance.md ("The kernels on an H200", "The shipped pair on an H200", "The server on an H200") and
-# docs/h200/ (run2/, run3/). If a kernel variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or
+# The runs so far (2026-12-04: the first with the default stages; then "serve pair", then "sampling pair", then
+# "slots serve" whose serve got too little time) are in docs/performance.md ("The kernels on an H200", "The shipped
+# pair on an H200", "The server on an H200", "Where a served step's time goes on the H200") and docs/h200/ (run2/,
+# run3/, run4/). Next: GPU_CHECK_STAGES=serve alone (the server now compiles its programs 8 at a time), then
+# "slots graphs". If a kernel variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or
 # kda_decode's NUM_WARPS), rerun, and record the default's figures. Acceptance (issue 7): MXFP4 MoE decode
 # >= 60 % of copy bandwidth and >= 1.5x the XLA reference; KDA decode >= 50 % of copy bandwidth.
 #
