@@ -76,7 +76,8 @@ def multi_step_plan(platform: str) -> tuple:
     (a GPU): (8, every bucket). On the H200 a launch cost the host 1.2-1.5 ms whatever its size (XLA:GPU enqueues
     the program's kernels and reads each loop's predicate back from the caller's thread), so one-step launches were
     host-bound at every batch: 8-step launches measured 2.02 -> 0.61 ms a step at 1 row x width 1, 2.06 -> 0.85 at
-    16 x 1 and 2.96 -> 1.59 at 16 x 8 (docs/h200/run4, docs/performance.md "The server on an H200")."""
+    16 x 1 and 2.96 -> 1.59 at 16 x 8 (docs/h200/run4; docs/performance.md, "Where a served step's time goes on
+    the H200")."""
     return (4, MULTI_STEP_MAX_BATCH) if platform == "cpu" else (8, 0)
 
 
@@ -458,7 +459,7 @@ class SlotBackend:
                     for cap in self.program_caps(w):
                         self.params[:b, 3] = cap
                         for k in sorted({1, self.steps_for(b)}):
-                            out.append((_step, *self._step_args(rows, 1 if self.drafter is None else w, k)))
+                            out.append((_step, *self._step_args(rows, w, k)))
         finally:
             self.params[:] = saved
         return out
@@ -494,7 +495,7 @@ class SlotBackend:
             for w in self.widths:
                 for cap in self.program_caps(w):  # the last: the program adaptive schedules (timed below)
                     self.params[:b, 3] = cap
-                    self.step(list(range(b)), width=w)  # compile
+                    self.step(list(range(b)), width=w)  # a first run (compile_all compiled it)
                     if self.steps_for(b) > 1:
                         self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
                 if self.adaptive:  # timed as served: a launch of steps_for(b) steps, per step
