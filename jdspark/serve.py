@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -423,9 +424,13 @@ def main(argv=None) -> int:
     ready = threading.Event()
 
     def warm():
+        t0 = time.perf_counter()
+        print(f"[serve] compiling {len(backend.programs())} programs, several at a time", file=sys.stderr, flush=True)
         backend.warm_up()
         engine.start()
         ready.set()
+        print(f"[serve] ready after {time.perf_counter() - t0:.0f} s of compiles and timings", file=sys.stderr,
+              flush=True)
 
     threading.Thread(target=warm, name="jdspark-warm-up", daemon=True).start()
     app = build_app(engine, tok, model_name=name, vocab_size=target.config.vocab_size,
