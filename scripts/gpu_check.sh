@@ -46,8 +46,10 @@
 # The runs so far (2026-12-04: the first with the default stages; then "serve pair", then "sampling pair", then
 # "slots serve" whose serve got too little time) are in docs/performance.md ("The kernels on an H200", "The shipped
 # pair on an H200", "The server on an H200", "Where a served step's time goes on the H200") and docs/h200/ (run2/,
-# run3/, run4/). Next: GPU_CHECK_STAGES=serve alone (the server now compiles its programs 8 at a time), then
-# "slots graphs". If a kernel variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or
+# run3/, run4/). Next: GPU_CHECK_STAGES=serve alone (the server now compiles its programs 8 at a time,
+# and says so in bench_serve.log: "[serve] compiling N programs", "[serve] ready after T s"), then "slots graphs";
+# if graphs pay, the pair under them too: every stage inherits XLA_FLAGS, e.g. XLA_FLAGS=--xla_gpu_enable_command_
+# buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL (one word) GPU_CHECK_STAGES=pair. If a kernel variant beats the default, set it in kimi/kernels/mxfp4_moe.py's DECODE_TUNING (or
 # kda_decode's NUM_WARPS), rerun, and record the default's figures. Acceptance (issue 7): MXFP4 MoE decode
 # >= 60 % of copy bandwidth and >= 1.5x the XLA reference; KDA decode >= 50 % of copy bandwidth.
 #
