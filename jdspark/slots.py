@@ -381,10 +381,11 @@ class SlotBackend:
                 "timed": width is None and extend,
                 "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
 
-    def _step_args(self, rows: np.ndarray, W: int, steps: int) -> tuple:
-        """``_step``'s arguments for the rows ``rows`` (slot indices, a whole batch bucket) at width W: the one
-        place a launch and the ahead-of-time compile of ``warm_up`` build them, so both name the same program."""
-        caps = self.params[rows, 3]
+    def _step_args(self, rows: np.ndarray, W: int, steps: int, caps: Optional[np.ndarray] = None) -> tuple:
+        """``_step``'s arguments for the rows ``rows`` (slot indices, a whole batch bucket) at width W (draft caps
+        ``caps``, default the rows' own): the one place a launch and the ahead-of-time compile of ``warm_up`` build
+        them, so both name the same program."""
+        caps = self.params[rows, 3] if caps is None else caps
         # rows that never draft (cap 0: ``speculative: false``, free slots) need no drafter context: a plain step of
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
@@ -451,17 +452,12 @@ class SlotBackend:
             padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
             out.append((_insert, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
                                                     dispatch.prefill_chunk(P, self.prefill_chunk))))
-        saved = self.params.copy()
-        try:
-            for b in self.batch_buckets:
-                rows = np.arange(b, dtype=np.int32)
-                for w in self.widths:
-                    for cap in self.program_caps(w):
-                        self.params[:b, 3] = cap
-                        for k in sorted({1, self.steps_for(b)}):
-                            out.append((_step, *self._step_args(rows, w, k)))
-        finally:
-            self.params[:] = saved
+        for b in self.batch_buckets:
+            rows = np.arange(b, dtype=np.int32)
+            for w in self.widths:
+                for cap in self.program_caps(w):
+                    for k in sorted({1, self.steps_for(b)}):
+                        out.append((_step, *self._step_args(rows, w, k, caps=np.full(b, float(cap)))))
         return out
 
     def compile_all(self, threads: Optional[int] = None) -> int:
