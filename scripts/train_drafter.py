@@ -6,6 +6,7 @@
     python scripts/train_drafter.py ... --export checkpoints/default/drafter   # speculators format
     python scripts/train_drafter.py ... --init checkpoints/default/drafter     # continue from a shipped drafter
     python scripts/train_drafter.py ... --init checkpoints/default/drafter --layers 2   # ... deepened to 2 layers
+    python scripts/train_drafter.py ... --init checkpoints/default/drafter --taps 1,3,5,6   # ... + last layer's output
     python scripts/train_drafter.py ... --context-window 64      # trained and served from its last 64 positions
 
 The target is loaded as shipped (experts MXFP4) and frozen; each step runs its jitted prefill over a packed batch
@@ -36,8 +37,15 @@ import jdspark
 import kimi
 from jdspark import data as jdata
 from jdspark import train as jt
-from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, parse_context_window, with_layers
+from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, parse_context_window, with_layers, with_taps
 from jdspark.evaluate import served_acceptance
+
+
+def _parse_taps(text: str) -> tuple:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"--taps: expected comma-separated target layer ids such as 1,3,5, got {text!r}") from None
 
 
 def build_drafter(target, a, tokenizer) -> jdspark.DSparkDrafter:
@@ -46,7 +54,7 @@ def build_drafter(target, a, tokenizer) -> jdspark.DSparkDrafter:
     if tokenizer.mask_id is None:
         raise ValueError("the target's tokenizer has no mask token (<mask>) for the drafter's block slots")
     L = cfg.num_hidden_layers
-    taps = tuple(int(t) for t in a.taps.split(",")) if a.taps else (1, L // 2, L - 1)
+    taps = _parse_taps(a.taps) if a.taps else (1, L // 2, L - 1)
     dc = jdspark.DSparkConfig.for_target(cfg, block_size=a.block_size, num_hidden_layers=a.layers or 1,
                                          markov_rank=a.markov_rank, mask_token_id=tokenizer.mask_id,
                                          aux_hidden_state_layer_ids=taps, num_attention_heads=a.heads,
@@ -67,8 +75,15 @@ def train(a) -> dict:
                 raise ValueError(f"--layers {a.layers}: the --init drafter has {L} layers; it can be deepened, "
                                  f"not cut")
             drafter = with_layers(drafter, a.layers)
+        taps0 = drafter.config.aux_hidden_state_layer_ids
+        if a.taps and _parse_taps(a.taps) != taps0:  # taps added, computing what it computed (with_taps)
+            drafter = with_taps(drafter, _parse_taps(a.taps))
+            jdspark.drafter.check_target(drafter.config, target)
         print(f"[train_drafter] initialised from {a.init} ({drafter.config.num_hidden_layers} layers"
-              f"{f', grown from {L}' if drafter.config.num_hidden_layers != L else ''})", file=sys.stderr)
+              f"{f', grown from {L}' if drafter.config.num_hidden_layers != L else ''}; taps "
+              f"{list(drafter.config.aux_hidden_state_layer_ids)}"
+              f"{f', grown from {list(taps0)}' if drafter.config.aux_hidden_state_layer_ids != taps0 else ''})",
+              file=sys.stderr)
     else:
         drafter = build_drafter(target, a, tokenizer)
     # trained as served: the objective masks context positions outside the window (DSparkDrafter's training
@@ -166,7 +181,10 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=None)
     p.add_argument("--markov-rank", type=int, default=64)
-    p.add_argument("--taps", default=None, help="comma-separated target layer ids (inputs of those layers)")
+    p.add_argument("--taps", default=None,
+                   help="comma-separated target layer ids (inputs of those layers; the target's layer count for its "
+                        "last layer's output); with --init, ids beyond its drafter's are added, their rows of fc "
+                        "starting at zero (it computes what it did)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--val-every", type=int, default=250)
     p.add_argument("--val-batches", type=int, default=4)
@@ -176,8 +194,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init", default=None,
                    help="start from this drafter (speculators format, e.g. checkpoints/default/drafter): its weights "
-                        "and architecture (the architecture flags but --layers are not used), a fresh optimizer and "
-                        "schedule; with --resume a checkpoint in --out still wins")
+                        "and architecture (the architecture flags but --layers and --taps are not used), a fresh "
+                        "optimizer and schedule; with --resume a checkpoint in --out still wins")
     p.add_argument("--context-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                    help="the drafter attends to the last N context positions, in training as in serving (none: all); "
                         "default: the --init drafter's, or none for a fresh one")

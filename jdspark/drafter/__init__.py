@@ -20,12 +20,13 @@ from jdspark.drafter.model import (
                                   with_context_window,
                                   with_layers,
                                   with_serving_layout,
+                                  with_taps,
 )
 from kimi.ops.norms import qwen3_rms_norm as rms_norm
 
 __all__ = [
     "DSparkDrafter", "DrafterCache", "DSparkConfig", "load_drafter", "save_drafter", "state_dict", "training_loss",
     "dspark_loss", "select_anchors", "resolve_loss", "rms_norm", "rope", "check_target", "verifier_targets",
-    "with_serving_layout", "with_context_window", "with_layers", "ring_from_linear", "parse_context_window",
-    "CHECKPOINT_WINDOW", "apply_context_window",
+    "with_serving_layout", "with_context_window", "with_layers", "with_taps", "ring_from_linear",
+    "parse_context_window", "CHECKPOINT_WINDOW", "apply_context_window",
 ]

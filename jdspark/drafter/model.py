@@ -415,6 +415,33 @@ def with_layers(drafter: DSparkDrafter, num_layers: int) -> DSparkDrafter:
     return out
 
 
+def with_taps(drafter: DSparkDrafter, taps) -> DSparkDrafter:
+    """The drafter reading the target's hidden states at ``taps`` (a superset of its own tap ids, in any order),
+    computing exactly what it computed before: ``ctx = hidden_norm(taps @ fc)`` and the norm comes after ``fc``, so
+    each kept tap's rows of ``fc``'s kernel [n_taps * D, D] move to that tap's new place and each new tap's D rows
+    start at zero (function-preserving growth, like ``with_layers``; training moves them: their gradient is the
+    new tap's features against the context's). Every other weight is shared with ``drafter``."""
+    old = tuple(drafter.config.aux_hidden_state_layer_ids)
+    new = tuple(int(t) for t in taps)
+    missing = [t for t in old if t not in new]
+    if missing:
+        raise ValueError(f"taps: expected every tap of the drafter's {list(old)} (taps can be added, not dropped), "
+                         f"got {list(new)}, which lacks {missing}")
+    cfg = drafter.config.replace(aux_hidden_state_layer_ids=new)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DSparkDrafter(cfg, rngs=nnx.Rngs(0))))
+    out = nnx.merge(graphdef, state)  # abstract arrays; every one is replaced below
+    nnx.update(out, nnx.state(drafter, nnx.Not(nnx.PathContains("fc"))))
+    D = cfg.hidden_size
+    k_XD = drafter.fc.kernel[...]
+    rows = [k_XD[old.index(t) * D:(old.index(t) + 1) * D] if t in old else jnp.zeros((D, k_XD.shape[1]), k_XD.dtype)
+            for t in new]
+    out.fc.kernel = nnx.Param(jnp.concatenate(rows, 0))
+    if getattr(drafter.fc, "bias", None) is not None:
+        out.fc.bias = nnx.Param(jnp.array(drafter.fc.bias[...]))
+    out.set_partitioner(drafter.partition)
+    return out
+
+
 def ring_from_linear(cache: DrafterCache, window: int) -> DrafterCache:
     """The ring-buffer context of ``window`` slots (``with_context_window``'s layout) holding what a linear cache
     holds of the last ``window`` positions: slot s takes position p(s) = n - 1 - ((n - 1 - s) mod S), n = the

@@ -348,3 +348,49 @@ def test_deepened_drafter_drafts_the_same_and_trains(tmp_path, layer_types):
     assert float(jnp.abs(g["layers/2/self_attn/o_proj/kernel"]).max()) > 0
     with pytest.raises(ValueError, match="num_layers"):
         with_layers(deep, 2)
+
+
+def test_drafter_with_added_taps_drafts_the_same_and_trains(tmp_path):
+    """``with_taps``: a drafter reading taps (1, 3, 5) given (6, 1, 3, 5) appends the same context and gives the
+    same block logits when the old taps' features are where the new order puts them (the new tap's rows of fc start
+    at zero, whatever its features), saves and loads with the new tap ids, and its loss has a non-zero gradient on
+    the new tap's rows (training can move them). Dropping a tap is an error."""
+    from jdspark.drafter import with_taps
+
+    cfg = DSparkConfig.tiny()
+    d = _drafter(cfg)
+    wide = with_taps(d, (6, 1, 3, 5))
+    assert wide.config.aux_hidden_state_layer_ids == (6, 1, 3, 5) and wide.fc.kernel.shape == (4 * D, D)
+    embed, lm_head = _shared()
+    taps_old = jax.random.normal(jax.random.PRNGKey(3), (1, cfg.block_size + 1, NTAP * D))
+    taps_new = jnp.concatenate([5.0 * jax.random.normal(jax.random.PRNGKey(9), (1, cfg.block_size + 1, D)),
+                                taps_old], -1)  # the new tap first: the old taps' rows moved by D
+    outs = []
+    for m, taps in ((d, taps_old), (wide, taps_new)):
+        @nnx.jit
+        def block(m, taps):
+            cache = m.append_context(m.init_cache(1, 16), taps, 4)
+            return m.draft_logits(cache, jnp.array([2]), None, embed, lm_head)
+
+        outs.append(block(m, taps))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    save_drafter(wide, tmp_path / "wide")
+    assert load_drafter(tmp_path / "wide").config.aux_hidden_state_layer_ids == (6, 1, 3, 5)
+
+    T = 12
+    ids = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, V - 1)
+    taps_T = jax.random.normal(jax.random.PRNGKey(5), (1, T, 4 * D))
+    vlh = jax.random.normal(jax.random.PRNGKey(6), (1, T, D))
+
+    @nnx.jit
+    def grad_step(m):
+        return nnx.value_and_grad(training_loss, has_aux=True)(
+            m, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)),
+            embed, lm_head)
+
+    _, grads = grad_step(wide)
+    g = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    assert float(jnp.abs(g["fc/kernel"][:D]).max()) > 0
+    with pytest.raises(ValueError, match="lacks \\[1\\]"):
+        with_taps(wide, (3, 5, 6))
