@@ -304,6 +304,23 @@ def test_training_loss_gradient_is_finite():
     assert float(jnp.abs(g["fc/kernel"]).max()) > 0 and float(jnp.abs(g["markov_head/markov_w1/embedding"]).max()) > 0
 
 
+def _loss_grads(m, n_taps: int, embed, lm_head) -> dict:
+    """The training loss's gradient of drafter ``m`` on 12 random positions of ``n_taps`` taps, by parameter path."""
+    T = 12
+    ids = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, V - 1)
+    taps_T = jax.random.normal(jax.random.PRNGKey(5), (1, T, n_taps * D))
+    vlh = jax.random.normal(jax.random.PRNGKey(6), (1, T, D))
+
+    @nnx.jit
+    def grad_step(m):
+        return nnx.value_and_grad(training_loss, has_aux=True)(
+            m, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)),
+            embed, lm_head)
+
+    _, grads = grad_step(m)
+    return {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+
+
 @pytest.mark.parametrize("layer_types", [None, ("sliding_attention", "full_attention")])
 def test_deepened_drafter_drafts_the_same_and_trains(tmp_path, layer_types):
     """``with_layers``: a drafter deepened from 2 to 3 layers appends the same context and gives the same block
@@ -333,18 +350,7 @@ def test_deepened_drafter_drafts_the_same_and_trains(tmp_path, layer_types):
     save_drafter(deep, tmp_path / "deep")
     assert load_drafter(tmp_path / "deep").config.num_hidden_layers == 3
 
-    T = 12
-    ids = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, V - 1)
-    taps_T = jax.random.normal(jax.random.PRNGKey(5), (1, T, NTAP * D))
-    vlh = jax.random.normal(jax.random.PRNGKey(6), (1, T, D))
-    @nnx.jit
-    def grad_step(m):
-        return nnx.value_and_grad(training_loss, has_aux=True)(
-            m, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)),
-            embed, lm_head)
-
-    _, grads = grad_step(deep)
-    g = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    g = _loss_grads(deep, NTAP, embed, lm_head)
     assert float(jnp.abs(g["layers/2/self_attn/o_proj/kernel"]).max()) > 0
     with pytest.raises(ValueError, match="num_layers"):
         with_layers(deep, 2)
@@ -378,19 +384,7 @@ def test_drafter_with_added_taps_drafts_the_same_and_trains(tmp_path):
     save_drafter(wide, tmp_path / "wide")
     assert load_drafter(tmp_path / "wide").config.aux_hidden_state_layer_ids == (6, 1, 3, 5)
 
-    T = 12
-    ids = jax.random.randint(jax.random.PRNGKey(4), (1, T), 0, V - 1)
-    taps_T = jax.random.normal(jax.random.PRNGKey(5), (1, T, 4 * D))
-    vlh = jax.random.normal(jax.random.PRNGKey(6), (1, T, D))
-
-    @nnx.jit
-    def grad_step(m):
-        return nnx.value_and_grad(training_loss, has_aux=True)(
-            m, taps_T, ids, jnp.ones((1, T)), jnp.array([1, 5]), jnp.array([True, True]), vlh, jnp.ones((D,)),
-            embed, lm_head)
-
-    _, grads = grad_step(wide)
-    g = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    g = _loss_grads(wide, 4, embed, lm_head)
     assert float(jnp.abs(g["fc/kernel"][:D]).max()) > 0
     with pytest.raises(ValueError, match="lacks \\[1\\]"):
         with_taps(wide, (3, 5, 6))
