@@ -76,8 +76,9 @@ def train(a) -> dict:
                                  f"not cut")
             drafter = with_layers(drafter, a.layers)
         taps0 = drafter.config.aux_hidden_state_layer_ids
-        if a.taps and _parse_taps(a.taps) != taps0:  # taps added, computing what it computed (with_taps)
-            drafter = with_taps(drafter, _parse_taps(a.taps))
+        taps = _parse_taps(a.taps) if a.taps else taps0
+        if taps != taps0:  # taps added, computing what it computed (with_taps)
+            drafter = with_taps(drafter, taps)
             jdspark.drafter.check_target(drafter.config, target)
         print(f"[train_drafter] initialised from {a.init} ({drafter.config.num_hidden_layers} layers"
               f"{f', grown from {L}' if drafter.config.num_hidden_layers != L else ''}; taps "
