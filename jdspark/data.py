@@ -295,15 +295,12 @@ def validation_batches(*, batch: int, seq_len: int, num_batches: Optional[int] =
 
 # ---------------------------------------------------------------------------------------------------------------
 # held-out prompts
-WORKLOADS = ("code",)
 
-
-def heldout_prompts(n: int, prompt_len: int, workload: str = "code", *, corpus=None, seed: int = 0,
-                    bos: bool = True, min_continuation: int = 256, tokenizer=None) -> list[np.ndarray]:
+def heldout_prompts(n: int, prompt_len: int, *, corpus=None, seed: int = 0, bos: bool = True,
+                    min_continuation: int = 256, tokenizer=None) -> list[np.ndarray]:
     """``n`` prompts of exactly ``prompt_len`` token ids cut from the validation files (never trained on) of the
-    stdlib corpus (or of ``corpus=DIR``); see ``prompts_from_documents``."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"workload: expected one of {WORKLOADS}, got {workload!r}")
+    stdlib corpus (or of ``corpus=DIR``): the code workload's prompts; ``jdspark.workloads`` has the others. See
+    ``prompts_from_documents``."""
     return prompts_from_documents(read_documents(list_files(corpus, "val")), n, prompt_len, seed=seed, bos=bos,
                                   min_continuation=min_continuation, tokenizer=tokenizer)
 

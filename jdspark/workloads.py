@@ -105,3 +105,42 @@ def documents_from_dir(path: str) -> list[bytes]:
     if not docs:
         raise ValueError(f"--corpus: no text files under {path}")
     return docs
+
+
+def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
+    """An operator's own prompts, from a JSON Lines file of one request per line: ``{"prompt": "text"}``, encoded as
+    the server's ``/v1/completions`` encodes a text prompt (BOS when the tokenizer has one, then the text's ids), or
+    ``{"prompt": [token ids]}``, sent as given. Blank lines are skipped; any other line that is not such an object
+    is a ValueError naming the line and what was expected (nothing is dropped or cut silently)."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompt-file {path}: expected a readable UTF-8 JSON Lines file ({e})") from None
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompt-file {path}, line {i}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg}); expected {{\"prompt\": \"text\"}} or "
+                             f"{{\"prompt\": [token ids]}}") from None
+        p = row.get("prompt") if isinstance(row, dict) else None
+        if isinstance(p, str) and p:
+            ids = tokenizer.encode(p, bos=tokenizer.bos_id is not None)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{where}: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            ids = list(p)
+        else:
+            raise ValueError(f"{where}: expected an object with \"prompt\": a non-empty string or list of token "
+                             f"ids, got {line[:80]!r}")
+        out.append(ids)
+    if not out:
+        raise ValueError(f"--prompt-file {path}: no prompts (expected one JSON object per line)")
+    return out

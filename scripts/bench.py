@@ -2,6 +2,7 @@
 
   python scripts/bench.py --json                    # workloads code / structured / prose
   python scripts/bench.py --corpus DIR --json       # prompts cut from your own text files
+  python scripts/bench.py --prompt-file mine.jsonl --json   # your own prompts: {"prompt": ...} lines
   python scripts/bench.py --json --plot bench.png   # and the chart: speedup against per-token acceptance
 
 Batch 1, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes run the
@@ -17,7 +18,9 @@ cost model's prediction from the measured acceptance: tokens per step over (v + 
 over the measured plain decode step and v = the measured verify pass over a decode step (``predicted_speedup``), and
 with v = 1 as seed 000 assumes for a memory-bound accelerator (``predicted_speedup_verify_as_one_step``).
 ``bits_per_byte``: the target on the held-out split of its training corpus. The top-level fields describe the code
-workload's greedy row (or the ``--corpus`` directory's).
+workload's greedy row (or the ``--corpus`` directory's, or the ``--prompt-file``'s). An operator's own prompts
+(``--prompt-file``: JSON Lines, ``jdspark.workloads.read_prompt_file``) are measured whole, each at its own length;
+they have no real continuation, so their row's ``reference`` is null.
 """
 
 from __future__ import annotations
@@ -112,9 +115,11 @@ def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, te
     Prompt ``i`` samples with seed ``seeds[i]`` in both modes. Also returns the plain outputs' ids (``_outputs``)."""
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     kw = dict(eos_token_id=-1, temperature=temperature, top_p=top_p)  # fixed length: max_new tokens each
-    for d in (None, drafter):  # compile + warm-up of both programs (excluded)
-        jdspark.generate(target, d, prompts[0], max_new_tokens=max_new, seed=seeds[0], **kw)
-        jdspark.generate(target, d, prompts[0], max_new_tokens=1, seed=seeds[0], **kw)
+    firsts = {len(p): p for p in reversed(prompts)}  # a prompt of each length (an operator's differ)
+    for d in (None, drafter):  # compile + warm-up of both programs for each length's bucket (excluded)
+        for p in firsts.values():
+            jdspark.generate(target, d, p, max_new_tokens=max_new, seed=seeds[0], **kw)
+            jdspark.generate(target, d, p, max_new_tokens=1, seed=seeds[0], **kw)
     t = {"ar": 0.0, "spec": 0.0, "ar_pre": 0.0, "spec_pre": 0.0}
     n_new = steps = accepted = mismatches = 0
     counts, outputs, steps_N, accepted_N, diverged = None, [], [], [], []
@@ -188,8 +193,15 @@ def degeneracy_figures(tokenizer, outputs, continuations) -> dict:
     """The plain outputs' degeneracy, and the real continuations' cut to each output's length in bytes."""
     texts = [tokenizer.decode_bytes(o) for o in outputs]
     fig = textstats.mean_degeneracy(texts)
-    fig["reference"] = textstats.mean_degeneracy([c[:len(t)] for t, c in zip(texts, continuations)])
+    fig["reference"] = None if any(c is None for c in continuations) else textstats.mean_degeneracy(
+        [c[:len(t)] for t, c in zip(texts, continuations)])
     return fig
+
+
+def _reference_text(ref) -> str:
+    if ref is None:
+        return "no real continuation to compare with"
+    return f"real text: {ref['run_share']:.2f} / {ref['distinct8']:.2f} / {ref['repeat_lines']:.2f}"
 
 
 def heldout_bits_per_byte(target, tokenizer, corpus=None, seq_len: int = 512, batches: int = 16) -> float:
@@ -249,7 +261,10 @@ def _p_from_accept_len(accept_len: float, G: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="folder with target/ and drafter/ (default: the shipped one)")
-    ap.add_argument("--corpus", help="measure prompts cut from the text files under this directory instead")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--corpus", help="measure prompts cut from the text files under this directory instead")
+    src.add_argument("--prompt-file", metavar="PATH", help="measure your own prompts instead: JSON Lines, one "
+                     "{\"prompt\": \"text\" or [token ids]} per line, every line (--prompts, --prompt-len unused)")
     ap.add_argument("--workloads", nargs="+", default=["code", "structured", "prose"])
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (acceptance moves far more between "
                     "prompts than within one: each row reports accept_len_ci95 over its prompts)")
@@ -282,7 +297,13 @@ def main(argv=None) -> int:
         raise SystemExit("bench: the checkpoint has no drafter/")
     drafter = apply_context_window(drafter, a.drafter_window)
     tokenizer = gen.load_tokenizer(ckpt, target.config)
-    if a.corpus:
+    if a.prompt_file:
+        try:
+            own = workloads.read_prompt_file(a.prompt_file, tokenizer, target.config.vocab_size)
+        except ValueError as e:
+            ap.error(str(e))
+        sources = {"prompt_file": None}
+    elif a.corpus:
         sources = {"corpus": workloads.documents_from_dir(a.corpus)}
     else:
         sources = {w: workloads.documents(w) for w in a.workloads}
@@ -294,8 +315,11 @@ def main(argv=None) -> int:
     print(f"[bench] held-out bits per byte {result['bits_per_byte']:.3f}", file=sys.stderr)
     rows = [("greedy", 0.0, 1.0)] + ([] if a.no_sampled else [("sampled", a.temperature, a.top_p)])
     for name, docs in sources.items():
-        cut = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed, tokenizer=tokenizer,
-                                           continuations=True)
+        if docs is None:  # --prompt-file: the operator's prompts, no real continuation to compare with
+            cut = [(np.asarray(p, np.int32), None) for p in own]
+        else:
+            cut = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed, tokenizer=tokenizer,
+                                               continuations=True)
         prompts, conts = [c[0] for c in cut], [c[1] for c in cut]
         if passes is None:  # once, on the first workload's first prompt
             passes = _pass_seconds(target, drafter, prompts[0], a.max_new_tokens)
@@ -316,11 +340,10 @@ def main(argv=None) -> int:
                   f"{r['accept_len_ci95'][0]:.2f}-{r['accept_len_ci95'][1]:.2f})  AR {r['ar_tok_s']:.1f} tok/s  "
                   f"DSpark {r['spec_tok_s']:.1f} tok/s  speedup {r['speedup']:.2f}x  plain output: run_share "
                   f"{r['run_share']:.2f} distinct8 {r['distinct8']:.2f} repeat_lines {r['repeat_lines']:.2f} "
-                  f"(real text: {r['reference']['run_share']:.2f} / {r['reference']['distinct8']:.2f} / "
-                  f"{r['reference']['repeat_lines']:.2f}); cost model {r['predicted_speedup']:.2f}x with the "
+                  f"({_reference_text(r['reference'])}); cost model {r['predicted_speedup']:.2f}x with the "
                   f"measured verify = {r['v_verify_over_step']:.2f} decode steps, a whole DSpark step costs "
                   f"{r['loop_step_over_decode_step']:.2f}", file=sys.stderr)
-    top = result["workloads"]["corpus" if a.corpus else ("code" if "code" in sources else next(iter(sources)))]
+    top = result["workloads"]["code" if "code" in sources else next(iter(sources))]
     for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "accept_len_ci95", "per_position_accept",
               "predicted_speedup"):
         result[k] = top["greedy"][k]

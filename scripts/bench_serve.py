@@ -3,9 +3,12 @@
   python scripts/bench_serve.py --launch --json                  # starts `python -m jdspark.serve` on 127.0.0.1
   python scripts/bench_serve.py --url http://127.0.0.1:8000 --json --plot serve.png
   python scripts/bench_serve.py --in-process --json --concurrency 1,16   # the same engine, no HTTP: HTTP's cost
+  python scripts/bench_serve.py --launch --json --workload prose         # or --corpus DIR, as scripts/bench.py
+  python scripts/bench_serve.py --launch --json --prompt-file mine.jsonl # your own traffic: {"prompt": ...} lines
 
-Each cell runs ``--requests`` streamed completions of held-out code prompts (token ids, ``ignore_eos``, a fixed
-``--max-tokens``, fixed seeds) from ``concurrency`` clients at once and reports: aggregate output tok/s (completion
+Each cell runs ``--requests`` streamed completions of the prompts (held-out code by default; ``load_prompts``; the
+JSON's ``prompts`` says which) as token ids (``ignore_eos``, a fixed ``--max-tokens``, fixed seeds) from
+``concurrency`` clients at once and reports: aggregate output tok/s (completion
 tokens over the cell's wall time), per-user tok/s (each request's completion tokens over its own latency,
 averaged), TTFT / TPOT / ITL (mean, p50, p99, in ms; tokens counted from ``usage``, not from chunks), accept_len
 (1 + accepted / drafts from the server's ``/metrics`` deltas: the acceptance this traffic got) and the mean verified
@@ -273,15 +276,28 @@ def plot(cells, path: str) -> None:
     os.replace(tmp, path)
 
 
-def held_out_prompts(checkpoint: str, n: int, prompt_len: int):
+def load_prompts(checkpoint: str, n: int, prompt_len: int, workload: str = "code", corpus=None,
+                 prompt_file=None) -> tuple:
+    """The cells' prompts (token ids) and where they came from: ``n`` prompts of ``prompt_len`` tokens cut at line
+    starts from a workload's documents (code: the held-out split, never trained on; structured, prose: text
+    installed on the machine; ``jdspark.workloads``) or from every text file under ``corpus``, exactly as
+    ``scripts/bench.py`` cuts them; or every prompt of an operator's ``prompt_file`` (``workloads.read_prompt_file``:
+    JSON Lines of ``{"prompt": ...}``), as long as each is. Returns (prompts, source)."""
     import generate as gen
 
     import kimi
     from jdspark import data as jdata
+    from jdspark import workloads
 
     cfg = kimi.KimiConfig.from_hf_config(os.path.join(checkpoint, "target"))
     tok = gen.load_tokenizer(checkpoint, cfg)
-    return [p.tolist() for p in jdata.heldout_prompts(n, prompt_len, tokenizer=tok)]
+    if prompt_file is not None:
+        prompts = workloads.read_prompt_file(prompt_file, tok, cfg.vocab_size)
+        return prompts, {"prompt_file": prompt_file, "prompts": len(prompts), "prompt_len_max": max(map(len, prompts))}
+    docs = workloads.documents_from_dir(corpus) if corpus is not None else workloads.documents(workload)
+    prompts = [p.tolist() for p in jdata.prompts_from_documents(docs, n, prompt_len, tokenizer=tok)]
+    return prompts, {("corpus" if corpus is not None else "workload"): corpus or workload, "prompts": len(prompts),
+                     "prompt_len": prompt_len}
 
 
 def launch_args(prompt_len: int, max_tokens: int) -> list:
@@ -330,7 +346,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="per cell (default: 2 x concurrency, at least 8)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts cut from the workload's or corpus's documents")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--workload", default="code", choices=("code", "structured", "prose"),
+                     help="where the prompts are cut from, as in scripts/bench.py (default: held-out code)")
+    src.add_argument("--corpus", metavar="DIR", help="cut the prompts from every text file under DIR instead")
+    src.add_argument("--prompt-file", metavar="PATH", help="your own traffic: JSON Lines, one {\"prompt\": "
+                     "\"text\" or [token ids]} per line, every line sent (--prompts and --prompt-len unused)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="runs of each cell; the modes of a concurrency alternate round by round, the median counts")
     ap.add_argument("--server-args", default="", help="more `python -m jdspark.serve` flags for --launch and "
@@ -348,14 +370,18 @@ def main(argv=None) -> int:
     if server_args and not (a.launch or a.in_process):
         ap.error("--server-args: only with --launch or --in-process (a running server has its flags)")
     temps = [float(t) for t in a.temperatures.split(",")]
-    prompts = held_out_prompts(a.checkpoint, a.prompts, a.prompt_len)
+    try:
+        prompts, source = load_prompts(a.checkpoint, a.prompts, a.prompt_len, a.workload, a.corpus, a.prompt_file)
+    except ValueError as e:
+        ap.error(str(e))
+    sized = launch_args(max(map(len, prompts)), a.max_tokens)
     proc = None
     if a.launch:
-        proc, url = launch(a.checkpoint, a.port, a.slots, extra=launch_args(a.prompt_len, a.max_tokens) + server_args)
+        proc, url = launch(a.checkpoint, a.port, a.slots, extra=sized + server_args)
         client = HttpClient(url)
     elif a.in_process:
-        client = EngineClient.from_server_args(["--checkpoint", a.checkpoint, "--slots", str(a.slots),
-                                                *launch_args(a.prompt_len, a.max_tokens), *server_args])
+        client = EngineClient.from_server_args(["--checkpoint", a.checkpoint, "--slots", str(a.slots), *sized,
+                                                *server_args])
     else:
         client = HttpClient(a.url)
     cells = []
@@ -381,8 +407,8 @@ def main(argv=None) -> int:
     if a.plot:
         plot(cells, a.plot)
     if a.json:
-        print(json.dumps({"cells": cells, "summary": summarize(cells), "server_args": server_args},
-                         separators=(",", ":")))
+        print(json.dumps({"cells": cells, "summary": summarize(cells), "server_args": server_args,
+                          "prompts": source}, separators=(",", ":")))
     return 0
 
 

@@ -41,6 +41,20 @@ def test_degeneracy_figures_compare_with_the_real_continuation_at_the_same_lengt
     assert fig["reference"]["distinct8"] > 0.2
 
 
+def test_an_operator_s_prompts_have_no_reference(tmp_path, capsys):
+    """--prompt-file rows: no real continuation, so ``reference`` is null (not a made-up figure); a bad file stops the
+    run naming its line."""
+    tok = ByteTokenizer()
+    fig = bench.degeneracy_figures(tok, [tok.encode("x = 1\n" * 9)], [None])
+    assert fig["reference"] is None and fig["distinct8"] > 0
+    assert bench._reference_text(None) == "no real continuation to compare with"
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "def f():"}\n{"prompt": "ok", }\n')
+    with pytest.raises(SystemExit):
+        bench.main(["--prompt-file", str(f)])
+    assert "mine.jsonl, line 2: not JSON" in capsys.readouterr().err
+
+
 def test_greedy_divergence_names_the_first_differing_token_and_both_models_gaps():
     """On a tiny bf16-served model: the first differing position, and the logit gaps there equal the ones read off
     one-pass prefills of the prompt + the plain tokens before it (fp32 checkpoint and bf16 serving copy)."""

@@ -171,8 +171,6 @@ def test_heldout_prompts_cut_at_line_starts_of_validation_files():
     assert len({p.tobytes() for p in ps}) == 6
     raw = data.heldout_prompts(2, 32, bos=False, seed=1)
     assert raw[0].shape == (32,) and raw[0].max() < 256
-    with pytest.raises(ValueError, match="workload"):
-        data.heldout_prompts(1, 32, workload="images")
 
 
 def test_heldout_prompts_from_a_directory(tmp_path):

@@ -303,6 +303,46 @@ def test_bench_serve_sizes_a_launched_server_by_its_traffic():
     assert bench_serve.launch_args(100, 50) == ["--prompt-buckets", "128", "--max-len", "256"]
 
 
+def test_bench_serve_prompt_sources(tmp_path, capsys):
+    """The load test's prompts: held-out code by default (the very prompts it always sent), another workload's or a
+    corpus's cut as scripts/bench.py cuts them, or an operator's own JSON Lines file, each source named in the JSON;
+    a bad file stops the run with the line it names."""
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench_serve
+    import generate as gen
+
+    import kimi
+    from jdspark import data as jdata
+    from jdspark import workloads
+
+    ck = "checkpoints/default"
+    tok = gen.load_tokenizer(ck, kimi.KimiConfig.from_hf_config(ck + "/target"))
+    code, src = bench_serve.load_prompts(ck, 3, 48)
+    assert code == [p.tolist() for p in jdata.heldout_prompts(3, 48, tokenizer=tok)]
+    assert src == {"workload": "code", "prompts": 3, "prompt_len": 48}
+    prose, src = bench_serve.load_prompts(ck, 2, 40, workload="prose")
+    assert [p.tolist() for p in jdata.prompts_from_documents(workloads.documents("prose"), 2, 40,
+                                                               tokenizer=tok)] == prose != code[:2]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("".join(f"line {i} of a small corpus\n" for i in range(200)))
+    cut, src = bench_serve.load_prompts(ck, 2, 16, corpus=str(tmp_path / "docs"))
+    assert src["corpus"] == str(tmp_path / "docs") and all(len(p) == 16 for p in cut)
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "def f(x):"}\n{"prompt": [7, 8, 9, 10]}\n')
+    mine, src = bench_serve.load_prompts(ck, 16, 128, prompt_file=str(f))
+    assert mine == [tok.encode("def f(x):", bos=True), [7, 8, 9, 10]]
+    assert src == {"prompt_file": str(f), "prompts": 2, "prompt_len_max": max(map(len, mine))}
+    f.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    with pytest.raises(SystemExit):  # before any engine is built
+        bench_serve.main(["--in-process", "--prompt-file", str(f), "--concurrency", "1"])
+    assert "mine.jsonl, line 2: expected an object" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one source at a time
+        bench_serve.main(["--in-process", "--workload", "prose", "--corpus", str(tmp_path)])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
     """Events posted from the engine's thread while a flush is pending share one wake-up of the event loop, and
     every request's queue gets its events in the order they were posted."""
