@@ -117,7 +117,17 @@ class CostTable:
     factor f and that key is the one running (most of its batch's last ``window`` observations), every stale key of
     the batch (none of those observations) is scaled by f too; a re-timing then corrects what is the width's own
     (and, not running, does not propagate). Warm-up's observations do not propagate (each key is timed in turn
-    there, its first samples moving its median by large steps)."""
+    there, its first samples moving its median by large steps).
+
+    Re-timing: a served observation of a key its batch has not run within its last ``window`` observations (a
+    re-timing, or a width picked again after a while) replaces that key's samples instead of joining them. They are
+    from another time, and the drift rule carries only the running key's change, not how the widths' costs move
+    against one another: warm-up times each program alone, not pipelined, and its ratios between widths were not
+    the served ones (thirtieth session, in process at b = 1: warm-up's W = 8 at 1.44x W = 4, served 1.09x; at
+    b = 16 a stale W = 1 at 10.5-11.0 ms against 9.7 served), while a lone re-timing sample moved a median of
+    ``window`` stale ones not at all, so a width wrongly priced stayed so for ``window // 2 + 1`` re-timings, each
+    a probe interval apart. One fresh sample can be an outlier: too cheap, the width runs and its own timings
+    correct it within steps; too dear, it waits for the next re-timing, as every stale price did before."""
 
     def __init__(self, window: int = 9):
         if window < 1:
@@ -140,10 +150,12 @@ class CostTable:
         key = tuple(key)
         b = key[0]
         samples = self.samples.setdefault(key, collections.deque(maxlen=self.window))
+        recent = self.recent.setdefault(b, collections.deque(maxlen=self.window))
+        if served and key not in recent:  # a re-timing (or a width picked again after a while): what the key holds
+            samples.clear()  # is from another time, warm-up's or scaled by another key's drift; the fresh one wins
         old = self.medians.get(key) if len(samples) == self.window else None
         samples.append(float(seconds))
         self.medians[key] = statistics.median(samples)  # every served step calls this: pure Python
-        recent = self.recent.setdefault(b, collections.deque(maxlen=self.window))
         recent.append(key)
         running = recent.count(key) > self.window // 2  # most of the batch's latest steps: not a re-timing
         if served and running and old is not None and self.medians[key] != old:

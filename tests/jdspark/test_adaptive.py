@@ -142,6 +142,28 @@ def test_cost_table_carries_a_served_width_s_drift_to_widths_not_run():
     assert t.table[(1, 1)] == pytest.approx(2.0)  # stale: 1.5 x 4.0 / 3.0
 
 
+def test_a_re_timing_replaces_a_stale_key_s_samples():
+    """Warm-up priced W = 8 at 2x W = 4; served, the whole block costs 1.1x. One re-timing of W = 8 (its batch ran
+    only W = 4 within the window) sets its price at once, where a median over its stale samples would have kept it
+    until most of the window were re-timings; a key in the batch's recent observations joins its samples as before,
+    and warm-up's (unserved) observations never replace."""
+    t = CostTable(window=5)
+    for w, c in ((4, 1.0), (8, 2.0)):
+        for _ in range(5):
+            t.observe((1, w), c)
+    for _ in range(5):
+        t.observe((1, 4), 1.0, served=True)  # W = 4 served at its warm-up price: nothing drifts
+    assert t.table[(1, 8)] == pytest.approx(2.0)
+    t.observe((1, 8), 1.1, served=True)  # the re-timing
+    assert t.table[(1, 8)] == pytest.approx(1.1)
+    surv, caps = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]]), np.array([7])
+    assert choose_width(surv, caps, 1, (4, 8), t.table)[0] == 8  # (1 + 4.2) / 1.1 against (1 + 2.4) / 1.0
+    t.observe((1, 8), 3.0, served=True)  # recent now: one outlier joins the fresh sample, median between them
+    assert t.table[(1, 8)] == pytest.approx(2.05)
+    t.observe((1, 8), 1.2)  # unserved: joins
+    assert t.table[(1, 8)] == pytest.approx(1.2)
+
+
 def test_tracker():
     tr = SurvivalTracker(2, 3, momentum=0.5, relax=0.5)
     assert (tr.curve_SG == 1).all()
