@@ -348,8 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=16, help="prompts cut from the workload's or corpus's documents")
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--workload", default="code", choices=("code", "structured", "prose"),
-                     help="where the prompts are cut from, as in scripts/bench.py (default: held-out code)")
+    src.add_argument("--workload", default="code", help="where the prompts are cut from: code (held out, the "
+                     "default), structured or prose, as in scripts/bench.py (jdspark.workloads.WORKLOADS)")
     src.add_argument("--corpus", metavar="DIR", help="cut the prompts from every text file under DIR instead")
     src.add_argument("--prompt-file", metavar="PATH", help="your own traffic: JSON Lines, one {\"prompt\": "
                      "\"text\" or [token ids]} per line, every line sent (--prompts and --prompt-len unused)")

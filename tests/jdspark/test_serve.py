@@ -338,6 +338,9 @@ def test_bench_serve_prompt_sources(tmp_path, capsys):
     with pytest.raises(SystemExit):  # before any engine is built
         bench_serve.main(["--in-process", "--prompt-file", str(f), "--concurrency", "1"])
     assert "mine.jsonl, line 2: expected an object" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_serve.main(["--in-process", "--workload", "poetry"])
+    assert "workload: expected one of ('code', 'structured', 'prose'), got 'poetry'" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one source at a time
         bench_serve.main(["--in-process", "--workload", "prose", "--corpus", str(tmp_path)])
     assert "not allowed with argument" in capsys.readouterr().err
