@@ -302,7 +302,7 @@ def main(argv=None) -> int:
             own = workloads.read_prompt_file(a.prompt_file, tokenizer, target.config.vocab_size)
         except ValueError as e:
             ap.error(str(e))
-        sources = {"prompt_file": None}
+        sources = {"prompt_file": own}  # prompts already, not documents to cut them from
     elif a.corpus:
         sources = {"corpus": workloads.documents_from_dir(a.corpus)}
     else:
@@ -315,8 +315,8 @@ def main(argv=None) -> int:
     print(f"[bench] held-out bits per byte {result['bits_per_byte']:.3f}", file=sys.stderr)
     rows = [("greedy", 0.0, 1.0)] + ([] if a.no_sampled else [("sampled", a.temperature, a.top_p)])
     for name, docs in sources.items():
-        if docs is None:  # --prompt-file: the operator's prompts, no real continuation to compare with
-            cut = [(np.asarray(p, np.int32), None) for p in own]
+        if name == "prompt_file":  # the operator's prompts, no real continuation to compare with
+            cut = [(np.asarray(p, np.int32), None) for p in docs]
         else:
             cut = jdata.prompts_from_documents(docs, a.prompts, a.prompt_len, seed=a.seed, tokenizer=tokenizer,
                                                continuations=True)
