@@ -6,9 +6,10 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
     admits waiting requests into free slots (FIFO; the queue is bounded: ``QueueFull`` when it is full),
     steps the backend, appends each slot's committed tokens to its request,
         (a backend with ``launch`` / ``collect`` is pipelined: step t + 1 is launched before step t's tokens are
-        committed, so host work overlaps the device; a request that ended at step t had a row in step t + 1,
-        whose tokens are dropped; such a backend's ``steps_for(n)`` says how many steps one launch may run for n
-        active slots, used while no request waits, and ``collect`` gives each slot its steps' outputs in order)
+        committed, so host work overlaps the device; a request that step t surely or likely ends by max_tokens
+        gets no row in step t + 1 (``Engine._plan_launch``), one that ends otherwise has a row there whose tokens
+        are dropped; such a backend's ``steps_for(n)`` says how many steps one launch may run for n active slots,
+        used while no request waits, and ``collect`` gives each slot its steps' outputs in order)
     ends a request on EOS (unless ``ignore_eos``), a stop string, ``max_tokens`` or cancellation, frees its slot,
     and hands each request its events (text deltas decoded incrementally, never a broken character).
 
@@ -202,9 +203,10 @@ class Engine:
                 active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
                 if pipelined:  # launch this step, then commit the previous one's tokens while it computes
                     launched = None
-                    if active:  # several steps per launch only while no request waits for a slot
-                        steps = self.backend.steps_for(len(active)) if not self.waiting else 1
-                        launched = (self.backend.launch(active, steps=steps), {s: self.slots[s] for s in active})
+                    active, steps = self._plan_launch(active, pending)
+                    if active:
+                        launched = (self.backend.launch(active, steps=steps), {s: self.slots[s] for s in active},
+                                    steps)
                     if pending is not None:
                         outs = self.backend.collect(pending[0])
                         for s, req in pending[1].items():
@@ -230,6 +232,40 @@ class Engine:
                 self.slots = [None] * len(self.slots)
                 self._gauges()
             raise
+
+    def _plan_launch(self, active: list, pending) -> tuple:
+        """The slots the next pipelined launch steps, and its steps, given the launch still in flight (``pending``:
+        its handle, {slot: request}, steps).
+
+        A launch made while the previous one computes has a row for every active request, and a request that the
+        previous launch ends runs its row for nothing; at one request that is a whole launch (4 steps of 8 verified
+        tokens at c = 1 on a CPU: ~20 ms) that the next request's prefill waits behind. Each step commits at least
+        one token, and a request's own tokens per step so far (``rate``, 1 for plain decoding) say how many the
+        launch in flight will likely commit, so:
+
+            a row the launch in flight surely ends (max_tokens - committed <= its steps) is not launched;
+            when every row is likely ended by it (max_tokens - committed <= steps x rate), nothing is launched: the
+                engine collects first, and a row that was not ended after all is launched then (one launch that
+                does not overlap the host's commit: ~1 ms, against a launch run for nothing).
+
+        Only max_tokens is foreseeable: a request that ends on EOS or a stop string still has its row in the launch
+        after. Rows are left out only where they are certain to have ended (or where nothing is launched): a
+        backend's largest bucket steps every slot, listed or not, so a row left out of a launch must be done."""
+        in_flight = pending[2] if pending is not None else 0
+        pending_reqs = set(map(id, pending[1].values())) if pending is not None else set()
+        need, rate = {}, {}
+        for s in active:
+            req = self.slots[s]
+            k = in_flight if id(req) in pending_reqs else 0
+            left = req.sampling.max_tokens - len(req.output_ids)
+            if left <= k:  # the launch in flight commits >= 1 token a step: this request ends there
+                continue
+            rate[s] = max(1.0, (len(req.output_ids) - 1) / req.steps) if req.steps else 1.0
+            need[s] = left - k * rate[s]  # tokens likely still needed after the launch in flight
+        if not need or all(n <= 0 for n in need.values()):
+            return [], 1
+        launch = [s for s in active if s in need]  # several steps a launch only while no request waits for a slot
+        return launch, (self.backend.steps_for(len(launch)) if not self.waiting else 1)
 
     def _free_cancelled(self) -> None:
         for s, r in enumerate(self.slots):

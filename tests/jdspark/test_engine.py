@@ -1,0 +1,117 @@
+"""The engine's host loop over a pipelined backend (``launch`` / ``collect``): what it launches near a request's
+max_tokens. A scripted backend (no model): every step of a row commits ``k`` tokens (``k`` per launch, in order, the
+last repeating), (t + 1) % 256 after t; it records every launch and each listed row that its earlier launches had
+already carried to its max_tokens (a launch run for nothing)."""
+
+import threading
+
+from jdspark.engine import Engine, Request, SamplingRequest, StepOutput
+from kimi.tokenizer import ByteTokenizer
+
+
+class PipelinedBackend:
+    def __init__(self, num_slots, tokens_per_step, multi_step=4, all_slots=False):
+        self.num_slots, self.multi_step, self.all_slots = num_slots, multi_step, all_slots
+        self.ks = list(tokens_per_step) if isinstance(tokens_per_step, (list, tuple)) else [tokens_per_step]
+        self.last, self.launches = {}, []  # launches: (slots listed, steps)
+        self.produced, self.max_tokens, self.for_nothing = {}, {}, []
+
+    def insert(self, slot, req):
+        self.last[slot] = (req.prompt_ids[-1] + 1) % 256
+        self.produced[slot], self.max_tokens[slot] = 1, req.max_tokens
+        return StepOutput([self.last[slot]])
+
+    def steps_for(self, n):
+        return self.multi_step
+
+    def launch(self, slots, steps=1):
+        k = self.ks[min(len(self.launches), len(self.ks) - 1)]
+        self.launches.append((list(slots), steps))
+        self.for_nothing += [s for s in slots if self.produced[s] >= self.max_tokens[s]]
+        out = {}
+        for s in (range(self.num_slots) if self.all_slots else slots):  # the largest bucket steps every slot
+            if s not in self.last:
+                continue
+            per_step = []
+            for _ in range(steps):
+                toks = []
+                for _ in range(k):
+                    self.last[s] = (self.last[s] + 1) % 256
+                    toks.append(self.last[s])
+                per_step.append(StepOutput(toks, drafted=k - 1, accepted=k - 1, verified=k))
+            self.produced[s] += steps * k
+            out[s] = per_step
+        return out
+
+    def collect(self, handle):
+        return handle
+
+    def free(self, slot):
+        del self.last[slot]
+
+
+def _serve(backend, max_tokens_list):
+    tok = ByteTokenizer()
+    eng = Engine(backend, tok, eos_token_id=None).start()
+    done, results = threading.Semaphore(0), {}
+
+    def on_event(i):
+        def f(ev):
+            results.setdefault(i, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                done.release()
+        return f
+
+    for i, n in enumerate(max_tokens_list):
+        eng.submit(Request(SamplingRequest(prompt_ids=(10 + i,), max_tokens=n), on_event(i), ignore_eos=True))
+    for _ in max_tokens_list:
+        assert done.acquire(timeout=20)
+    eng.shutdown()
+    return results
+
+
+def _want(first, n):
+    return [(first + 1 + j) % 256 for j in range(n)]
+
+
+def test_plain_rows_get_no_launch_after_the_one_that_ends_them():
+    """Plain decoding (1 token a step), one request of 10: the prefill's token, then launches of 4 steps at 1, 5
+    and 9 tokens committed (the third carries it to 10 and runs 3 steps past it). The launch that used to be made
+    while the third computed (4 steps for nothing) is not."""
+    be = PipelinedBackend(num_slots=2, tokens_per_step=1)
+    res = _serve(be, [10])
+    assert res[0] == _want(10, 10)
+    assert be.launches == [([0], 4)] * 3 and be.for_nothing == []
+
+
+def test_drafting_rows_skip_the_launch_their_last_one_likely_ends():
+    """3 tokens a step, 30 tokens: launched at 1 committed (none in flight) and at 1 again (4 steps in flight, no
+    rate known yet: 1 a step), then at 13 (in flight 4 steps x 3 likely, 17 left); at 25 with 4 steps in flight
+    the 5 left are likely covered: nothing is launched, and that launch ends the request."""
+    be = PipelinedBackend(num_slots=2, tokens_per_step=3)
+    res = _serve(be, [30])
+    assert res[0] == _want(10, 30)
+    assert be.launches == [([0], 4)] * 3 and be.for_nothing == []
+
+
+def test_a_likely_end_that_does_not_come_is_launched_after_the_collect():
+    """The rate so far (3 a step) overstates the launch in flight (1 a step): at 25 committed nothing is launched,
+    the launch in flight brings 4 (29), and the row is launched after the collect for its last token."""
+    be = PipelinedBackend(num_slots=2, tokens_per_step=[3, 3, 1])
+    res = _serve(be, [30])
+    assert res[0] == _want(10, 30)
+    assert be.launches == [([0], 4)] * 4 and be.for_nothing == []
+
+
+def test_under_load_every_request_is_whole():
+    """Four requests of different lengths at once, the largest bucket stepping every slot (as SlotBackend's does,
+    listed or not, so a row left out of a launch that has not ended would lose tokens): each gets exactly its
+    tokens, in order, at steady and varying rates (3, 3, then 1 a step: the rate so far overstates the launches in
+    flight, and rows are judged likely ended that are not). A row likely but not surely ended is still listed
+    while other rows launch: the largest bucket computes it anyway."""
+    for k, lengths in ((1, [7, 30, 13, 50]), (3, [17, 30, 41, 50]), ([3, 1, 2], [7, 30, 13, 50]),
+                       ([3, 3, 1], [30, 60, 45, 80]), (3, [7, 2, 13, 5])):
+        be = PipelinedBackend(num_slots=4, tokens_per_step=k, all_slots=True)
+        res = _serve(be, lengths)
+        for i, n in enumerate(lengths):
+            assert res[i] == _want(10 + i, n), (k, i)
