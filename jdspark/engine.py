@@ -238,10 +238,10 @@ class Engine:
         its handle, {slot: request}, steps).
 
         A launch made while the previous one computes has a row for every active request, and a request that the
-        previous launch ends runs its row for nothing; at one request that is a whole launch (4 steps of 8 verified
-        tokens at c = 1 on a CPU: ~20 ms) that the next request's prefill waits behind. Each step commits at least
-        one token, and a request's own tokens per step so far (``rate``, 1 for plain decoding) say how many the
-        launch in flight will likely commit, so:
+        previous launch ends runs its row for nothing; at one request that is a whole launch of device work (4
+        steps of 8 verified tokens at c = 1 on a CPU: ~20 ms; docs/serving.md, last section). Each step commits at
+        least one token, and a request's own tokens per step so far (``rate``, 1 for plain decoding) say how many
+        the launch in flight will likely commit, so:
 
             a row the launch in flight surely ends (max_tokens - committed <= its steps) is not launched;
             when every row is likely ended by it (max_tokens - committed <= steps x rate), nothing is launched: the
@@ -251,21 +251,19 @@ class Engine:
         Only max_tokens is foreseeable: a request that ends on EOS or a stop string still has its row in the launch
         after. Rows are left out only where they are certain to have ended (or where nothing is launched): a
         backend's largest bucket steps every slot, listed or not, so a row left out of a launch must be done."""
-        in_flight = pending[2] if pending is not None else 0
-        pending_reqs = set(map(id, pending[1].values())) if pending is not None else set()
-        need, rate = {}, {}
+        need = {}  # slot -> tokens likely still needed after the launch in flight, in the order of ``active``
         for s in active:
             req = self.slots[s]
-            k = in_flight if id(req) in pending_reqs else 0
+            k = pending[2] if pending is not None and pending[1].get(s) is req else 0  # its steps in flight
             left = req.sampling.max_tokens - len(req.output_ids)
             if left <= k:  # the launch in flight commits >= 1 token a step: this request ends there
                 continue
-            rate[s] = max(1.0, (len(req.output_ids) - 1) / req.steps) if req.steps else 1.0
-            need[s] = left - k * rate[s]  # tokens likely still needed after the launch in flight
-        if not need or all(n <= 0 for n in need.values()):
+            rate = max(1.0, (len(req.output_ids) - 1) / req.steps) if req.steps else 1.0
+            need[s] = left - k * rate
+        if not any(n > 0 for n in need.values()):
             return [], 1
-        launch = [s for s in active if s in need]  # several steps a launch only while no request waits for a slot
-        return launch, (self.backend.steps_for(len(launch)) if not self.waiting else 1)
+        # several steps a launch only while no request waits for a slot
+        return list(need), (self.backend.steps_for(len(need)) if not self.waiting else 1)
 
     def _free_cancelled(self) -> None:
         for s, r in enumerate(self.slots):
