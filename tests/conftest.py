@@ -21,6 +21,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # pytest-xdist workers share the cache safely: entries are written atomically.
 _CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(_ROOT, ".jax_cache")
 jax.config.update("jax_compilation_cache_dir", _CACHE)
+# 0.5 s: caching the quicker programs too (0.1 s) bought nothing on a cold run (thirty-second session: 668 s of
+# wall and 1231 s of CPU, against 657 s and 1216 s for 0.5 s in the session before).
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

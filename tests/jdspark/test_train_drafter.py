@@ -28,20 +28,27 @@ def target_dir(tmp_path_factory):
     return str(d)
 
 
+@pytest.fixture(scope="module")
+def trained(target_dir, tmp_path_factory):
+    """One uninterrupted 4-step run, exported: the reference of the resume test and the ``--init`` of the others."""
+    d = tmp_path_factory.mktemp("trained")
+    res = train_drafter.main(["--target", target_dir, "--out", str(d / "run"), "--export", str(d / "export")] + ARGS)
+    return res, str(d / "export")
+
+
 def _params(drafter):
     return jax.tree.leaves(nnx.state(drafter, nnx.Param))
 
 
-def test_smoke_and_resume(target_dir, tmp_path):
-    full = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "a"), "--export",
-                               str(tmp_path / "export")] + ARGS)
+def test_smoke_and_resume(target_dir, trained, tmp_path):
+    full, export = trained
     assert np.isfinite(full["final"]["loss"])
     f = full["final"]
     # greedy accepted length = 1 + sum_k P(drafts 0..k all right) <= 1 + sum_k P(draft k right): a chain
     # probability cannot exceed its last link's
     assert 3 <= len(f["per_position_acc"]) <= 4  # block 4 (less the anchor slot when it is not drafted)
     assert 1.0 <= f["greedy_accept_len"] <= 1.0 + sum(f["per_position_acc"]) + 1e-6, f
-    loaded = jdspark.load_drafter(str(tmp_path / "export"), target=kimi.load_checkpoint(target_dir))
+    loaded = jdspark.load_drafter(export, target=kimi.load_checkpoint(target_dir))
     for a, b in zip(_params(full["_drafter"]), _params(loaded)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--stop-at", "2"] + ARGS)
@@ -51,17 +58,15 @@ def test_smoke_and_resume(target_dir, tmp_path):
     assert resumed["final"]["loss"] == pytest.approx(full["final"]["loss"], abs=1e-6)
 
 
-def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
+def test_init_continues_from_a_saved_drafter(target_dir, trained, tmp_path):
     """``--init``: a new run from an exported drafter takes its weights and architecture (the flags' different
     Markov rank is not used); at learning rate 0 the weights come out as they went in. ``--layers`` deepens it."""
-    first = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "a"), "--export",
-                                str(tmp_path / "export")] + ARGS)
+    first, export = trained
     i = ARGS.index("--markov-rank")
     args = ARGS[:i + 1] + ["4"] + ARGS[i + 2:]  # --markov-rank 4: the init's rank (8) wins, so the programs of the
     # first run (the same shapes) are reused
-    again = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--init",
-                                str(tmp_path / "export"), "--lr", "0"] + args + ["--served-prompts", "2",
-                                                                                  "--served-tokens", "12"])
+    again = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "b"), "--init", export, "--lr",
+                                "0"] + args + ["--served-prompts", "2", "--served-tokens", "12"])
     assert again["_drafter"].config.markov_rank == first["_drafter"].config.markov_rank == 8
     for a, b in zip(_params(first["_drafter"]), _params(again["_drafter"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -79,9 +84,8 @@ def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
         assert row["accept_len"] == pytest.approx(1 + sum(row["per_position_accept"]))
     # ``--layers 2`` deepens the 1-layer drafter: it starts where the 1-layer one was (the same step-0 held-out
     # figures on the same batches and keys) and exports as 2 layers; --layers below the drafter's is refused
-    deep = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "c"), "--init",
-                               str(tmp_path / "export"), "--layers", "2", "--lr", "0", "--export",
-                               str(tmp_path / "export2")] + args)
+    deep = train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "c"), "--init", export, "--layers",
+                               "2", "--lr", "0", "--export", str(tmp_path / "export2")] + args)
     for k in ("loss", "greedy_accept_len", "accept_len"):
         assert deep["initial"][k] == pytest.approx(again["initial"][k], abs=1e-5), k
     assert jdspark.load_drafter(str(tmp_path / "export2"), target=kimi.load_checkpoint(target_dir)).config \
@@ -92,13 +96,11 @@ def test_init_continues_from_a_saved_drafter(target_dir, tmp_path):
 
 
 
-def test_context_window_is_trained_and_exported(target_dir, tmp_path):
+def test_context_window_is_trained_and_exported(target_dir, trained, tmp_path):
     """``--context-window N``: the drafter attends to its last N context positions in training as in serving (the
     held-out loss of the same weights changes when 48-token sequences are cut to 8 positions of context), and the
     export's config carries N; ``none`` on a windowed drafter restores the whole context."""
-    train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "a"), "--export",
-                        str(tmp_path / "export")] + ARGS)
-    common = ["--target", target_dir, "--init", str(tmp_path / "export"), "--lr", "0"] + ARGS
+    common = ["--target", target_dir, "--init", trained[1], "--lr", "0"] + ARGS
     whole = train_drafter.main(["--out", str(tmp_path / "b")] + common)
     ring = train_drafter.main(["--out", str(tmp_path / "c"), "--context-window", "8", "--export",
                                str(tmp_path / "ring")] + common)
