@@ -239,9 +239,9 @@ class Engine:
 
         A launch made while the previous one computes has a row for every active request, and a request that the
         previous launch ends runs its row for nothing; at one request that is a whole launch of device work (4
-        steps of 8 verified tokens at c = 1 on a CPU: ~20 ms; docs/serving.md, last section). Each step commits at
-        least one token, and a request's own tokens per step so far (``rate``, 1 for plain decoding) say how many
-        the launch in flight will likely commit, so:
+        steps of 8 verified tokens at c = 1 on a CPU: ~20 ms; docs/serving.md, "No launch for a request its launch
+        in flight ends"). Each step commits at least one token, and a request's own tokens per step so far
+        (``rate``, 1 for plain decoding) say how many the launch in flight will likely commit, so:
 
             a row the launch in flight surely ends (max_tokens - committed <= its steps) is not launched;
             when every row is likely ended by it (max_tokens - committed <= steps x rate), nothing is launched: the
