@@ -120,14 +120,21 @@ class CostTable:
     there, its first samples moving its median by large steps).
 
     Re-timing: a served observation of a key its batch has not run within its last ``window`` observations (a
-    re-timing, or a width picked again after a while) replaces that key's samples instead of joining them. They are
+    re-timing, or a width picked again after a while) cheaper than its price replaces its samples. They are
     from another time, and the drift rule carries only the running key's change, not how the widths' costs move
     against one another: warm-up times each program alone, not pipelined, and its ratios between widths were not
     the served ones (thirtieth session, in process at b = 1: warm-up's W = 8 at 1.44x W = 4, served 1.09x; at
     b = 16 a stale W = 1 at 10.5-11.0 ms against 9.7 served), while a lone re-timing sample moved a median of
     ``window`` stale ones not at all, so a width wrongly priced stayed so for ``window // 2 + 1`` re-timings, each
-    a probe interval apart. One fresh sample can be an outlier: too cheap, the width runs and its own timings
-    correct it within steps; too dear, it waits for the next re-timing, as every stale price did before."""
+    a probe interval apart.
+
+    Only a cheaper re-timing replaces; a dearer one joins the samples. One fresh sample can be an outlier, and the
+    two errors are not alike: too cheap, the width runs and its own timings correct it within steps; too dear, the
+    width is not picked, runs again only in re-timings, and kept the outlier as its whole price until the next one
+    (thirty-second session, in process at b = 16 under sampled c = 16 traffic: W = 1 warmed up at 12.6 ms,
+    re-timed at 18.0 and 16.9, then priced at 13.5-21.0 following W = 2's drift; W = 2 won on paper and the round
+    ran at 0.93x off, where the next round, W = 1 re-timed back to ~12 ms, ran at 0.99x). A width whose cost truly
+    rose against the others is priced up once most of its window is such re-timings (``window // 2 + 1``)."""
 
     def __init__(self, window: int = 9):
         if window < 1:
@@ -151,8 +158,8 @@ class CostTable:
         b = key[0]
         samples = self.samples.setdefault(key, collections.deque(maxlen=self.window))
         recent = self.recent.setdefault(b, collections.deque(maxlen=self.window))
-        if served and key not in recent:  # a re-timing (or a width picked again after a while): what the key holds
-            samples.clear()  # is from another time, warm-up's or scaled by another key's drift; the fresh one wins
+        if served and key not in recent and not (samples and seconds > self.medians[key]):
+            samples.clear()  # a cheaper re-timing: what the key holds is from another time; the fresh one wins
         old = self.medians.get(key) if len(samples) == self.window else None
         samples.append(float(seconds))
         self.medians[key] = statistics.median(samples)  # every served step calls this: pure Python

@@ -142,11 +142,12 @@ def test_cost_table_carries_a_served_width_s_drift_to_widths_not_run():
     assert t.table[(1, 1)] == pytest.approx(2.0)  # stale: 1.5 x 4.0 / 3.0
 
 
-def test_a_re_timing_replaces_a_stale_key_s_samples():
+def test_a_cheaper_re_timing_replaces_a_stale_key_s_samples_a_dearer_one_joins_them():
     """Warm-up priced W = 8 at 2x W = 4; served, the whole block costs 1.1x. One re-timing of W = 8 (its batch ran
     only W = 4 within the window) sets its price at once, where a median over its stale samples would have kept it
     until most of the window were re-timings; a key in the batch's recent observations joins its samples as before,
-    and warm-up's (unserved) observations never replace."""
+    and warm-up's (unserved) observations never replace. A dearer re-timing joins: one outlier does not price a
+    width out (it would not run again to correct it), most of a window of them does."""
     t = CostTable(window=5)
     for w, c in ((4, 1.0), (8, 2.0)):
         for _ in range(5):
@@ -162,6 +163,21 @@ def test_a_re_timing_replaces_a_stale_key_s_samples():
     assert t.table[(1, 8)] == pytest.approx(2.05)
     t.observe((1, 8), 1.2)  # unserved: joins
     assert t.table[(1, 8)] == pytest.approx(1.2)
+
+    t = CostTable(window=5)
+    for w, c in ((1, 1.0), (2, 1.5)):
+        for _ in range(5):
+            t.observe((1, w), c)
+    surv, caps = np.array([[0.3] * 7]), np.array([7])  # W = 1 (1 token) beats W = 2 (1.3) unless dearer than 1.3x
+    for dear in range(3):
+        for _ in range(5):
+            t.observe((1, 2), 1.5, served=True)  # W = 2 served, nothing drifts: W = 1 is stale again
+        t.observe((1, 1), 1.6, served=True)  # a dear re-timing of W = 1
+        if dear < 2:
+            assert t.table[(1, 1)] == pytest.approx(1.0)  # joined: the median of (1.0 x 4 - dear, 1.6 x dear + 1)
+            assert choose_width(surv, caps, 1, (1, 2), t.table)[0] == 1
+    assert t.table[(1, 1)] == pytest.approx(1.5)  # three of five: 1.6, capped by W = 2's 1.5 (monotone)
+    assert choose_width(surv, caps, 1, (1, 2), t.table)[0] == 2
 
 
 def test_tracker():
