@@ -478,8 +478,12 @@ class SlotBackend:
         table the scheduler reads, per step of a launch as serving launches them (``steps_for``: at small buckets
         several steps a launch, whose host round trip a single step's timing would charge to one step: a 1 x 8
         step timed alone at 12.5 ms was served at ~7.5, which kept the whole block out until served steps
-        re-timed it). Returns the table {(batch, width): seconds}. The programs are compiled ahead of time first,
-        several at once (``compile_all``); the runs below then find them compiled."""
+        re-timed it). The timings go in rounds, each timing every width once: a load that comes and goes during
+        warm-up then moves every width's samples alike. Timing each width's ``reps`` in turn, one start-up priced
+        b = 16 W = 1 at 15.8 ms and W = 2 at 15.9 (served ~11 and ~17); one engine timed both ways four times
+        (``docs/warm_up_order_b1_b16.jsonl``) priced b = 16 W = 4 at 25.8-36.0 ms in turn, 24.7-26.2 in rounds.
+        Returns the table {(batch, width): seconds}. The programs are compiled ahead of time first, several at
+        once (``compile_all``); the runs below then find them compiled."""
         self.compile_all()
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
@@ -494,9 +498,11 @@ class SlotBackend:
                     self.step(list(range(b)), width=w)  # a first run (compile_all compiled it)
                     if self.steps_for(b) > 1:
                         self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
-                if self.adaptive:  # timed as served: a launch of steps_for(b) steps, per step
-                    k = self.steps_for(b)
-                    for _ in range(max(1, reps)):
+            if self.adaptive:  # timed as served: a launch of steps_for(b) steps, per step; in rounds over widths
+                k = self.steps_for(b)
+                for _ in range(max(1, reps)):
+                    for w in self.widths:
+                        self.params[:b, 3] = self.program_caps(w)[-1]
                         t0 = time.perf_counter()
                         self.collect(self.launch(list(range(b)), width=w, steps=k))
                         timings.observe((b, w), (time.perf_counter() - t0) / k)
