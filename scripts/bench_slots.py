@@ -3,6 +3,7 @@
   python scripts/bench_slots.py --json                          # the shipped pair, 16 slots, caches of 320
   python scripts/bench_slots.py --slots 16 --max-len 1024 --batches 1,4,16 --json
   python scripts/bench_slots.py --batches 1,16 --widths 1,8 --steps-per-launch 8 --json   # + 8-step launches
+  python scripts/bench_slots.py --batches 1,16 --widths 1,2 --iters 16 --switch --json   # + does a width switch cost
 
 Each figure is ``SlotBackend.step`` (``jdspark/slots.py``) as the engine calls it: the host's dispatch, the
 device step of b active slots at verify width W and the host reading its tokens back, in milliseconds, the fastest
@@ -16,7 +17,8 @@ accept_len). ``generate_plain_ms``: batch-1 ``jdspark.generate``'s plain decodin
 waited for one at a time), ``dispatch_ms`` (the host's part of a launch) and ``pipelined_ms`` (launches enqueued
 back to back) say how much of a served step is the host's; ``--steps-per-launch K`` adds each cell in launches
 of K steps (the engine's multi-step scheduling, ``jdspark.slots.multi_step_plan``). ``launch_arg_ms``: what a
-launch costs the host by its arguments alone (``launch_arg_ms``'s docstring).
+launch costs the host by its arguments alone (``launch_arg_ms``'s docstring). ``--switch``: ``width_switch``, the
+first two widths alternating step by step against the same steps in two runs (``switch_ms``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,37 @@ def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int, cap: i
     return best
 
 
+def switch_ms(be, refill, batch: int, widths, iters: int, repeats: int) -> dict:
+    """Does a change of verify width cost the step after it? ``iters`` steps (drafting rows, cap G) at the first
+    two of ``widths`` alternating, against the same steps in two runs (all of one width, then all of the other),
+    launches pipelined as the engine's are (the next enqueued before the last is read); the median of ``repeats``
+    rounds of each, ms per step, the two kinds of round alternating so that the machine's drift meets both.
+    A cost table times a width only after a step of its own (``SlotBackend.collect``), so a switch's cost, were
+    there one, is what adaptive's mixing of widths would pay unpriced."""
+    w1, w2 = widths[0], widths[1]
+    slots = list(range(batch))
+    n = max(2, iters - iters % 2)
+    seqs = {"runs": [w1] * (n // 2) + [w2] * (n // 2), "alternating": [w1, w2] * (n // 2)}
+    times = {k: [] for k in seqs}
+    for r in range(repeats + 1):
+        for kind, seq in seqs.items():
+            refill(batch)
+            be.params[slots, 3] = be.G
+            be.collect(be.launch(slots, width=seq[0]))
+            t0 = time.perf_counter()
+            prev = be.launch(slots, width=seq[0])
+            for w in seq[1:]:
+                h = be.launch(slots, width=w)
+                be.collect(prev)
+                prev = h
+            be.collect(prev)
+            if r:  # round 0 warms both sequences' programs
+                times[kind].append((time.perf_counter() - t0) / len(seq) * 1e3)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    return {"batch": batch, "widths": [w1, w2], "runs_ms": med["runs"], "alternating_ms": med["alternating"],
+            "alternating_over_runs": med["alternating"] / med["runs"]}
+
+
 def launch_arg_ms(calls: int = 30) -> dict:
     """What a jit launch costs the host by its arguments (the median of ``calls``, ms): a trivial program taking
     1, 30 or 300 device arrays (a launch of the engine passes ~300 weight and state leaves), and 5 small NumPy
@@ -99,7 +132,7 @@ def launch_arg_ms(calls: int = 30) -> dict:
 
 
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
-        steps_per_launch: int = 1) -> dict:
+        steps_per_launch: int = 1, switch: bool = False) -> dict:
     import jdspark
     from jdspark.engine import SamplingRequest
     from jdspark.slots import SlotBackend
@@ -112,7 +145,7 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     if (max(iters, K) + K) * max(widths) > room:
         raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
                          f"after a {P}-token prompt; raise --max-len or lower --iters")
-    rows = []
+    rows, switches = [], []
     for name, temp in (("greedy", 0.0), ("sampled", 1.0)):
         def refill(n, temp=temp):
             for s in range(n):
@@ -125,13 +158,16 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
                         ms = step_ms(be, refill, b, w, iters, repeats, cap, k)
                         rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0,
                                      "steps_per_launch": k, **ms, "per_token_ms": ms["step_ms"] / b})
+            if switch and drafter is not None and len(widths) > 1:
+                switches.append({"rows": name, **switch_ms(be, refill, b, widths, iters, repeats)})
     p0 = np.asarray(prompts[0])
     jdspark.generate(target, None, p0, max_new_tokens=64)
     t0 = time.perf_counter()
     out = jdspark.generate(target, None, p0, max_new_tokens=64)
     gen_ms = (time.perf_counter() - t0) / max(len(out.tokens), 1) * 1e3
     return {"steps": rows, "slots": slots, "max_len": max_len, "prompt_len": P, "generate_plain_ms": gen_ms,
-            "iters": iters, "repeats": repeats, "steps_per_launch": K, "launch_arg_ms": launch_arg_ms()}
+            "iters": iters, "repeats": repeats, "steps_per_launch": K, "launch_arg_ms": launch_arg_ms(),
+            "width_switch": switches}
 
 
 def main(argv=None) -> int:
@@ -150,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps-per-launch", type=int, default=1,
                     help="K > 1: each (rows, batch, width) also in launches of K steps (multi-step scheduling)")
+    ap.add_argument("--switch", action="store_true",
+                    help="also time the first two widths alternating against in runs, per batch (switch_ms)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     target, drafter, note = gen.load_pair(a.checkpoint)
@@ -164,13 +202,17 @@ def main(argv=None) -> int:
     if a.steps_per_launch < 1:
         ap.error(f"--steps-per-launch: expected an int >= 1, got {a.steps_per_launch}")
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
-              iters=a.iters, repeats=a.repeats, steps_per_launch=a.steps_per_launch)
+              iters=a.iters, repeats=a.repeats, steps_per_launch=a.steps_per_launch, switch=a.switch)
     for r in res["steps"]:
         ctx = "+ctx" if r["drafter_context"] and r["width"] == 1 else ""
         print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['width']}{ctx:4s} x{r['steps_per_launch']}: "
               f"{r['step_ms']:7.2f} ms/step, "
               f"{r['per_token_ms']:6.2f} ms per row; dispatch {r['dispatch_ms']:6.3f} ms a launch, pipelined "
               f"{r['pipelined_ms']:7.2f} ms/step", file=sys.stderr)
+    for r in res["width_switch"]:
+        print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['widths'][0]}/{r['widths'][1]} alternating "
+              f"{r['alternating_ms']:7.2f} ms/step against runs {r['runs_ms']:7.2f}: "
+              f"{r['alternating_over_runs']:.3f}x", file=sys.stderr)
     print(f"[bench_slots] batch-1 generate, plain: {res['generate_plain_ms']:.2f} ms/token", file=sys.stderr)
     if a.json:
         print(json.dumps(res, separators=(",", ":")))
