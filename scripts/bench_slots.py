@@ -19,6 +19,10 @@ back to back) say how much of a served step is the host's; ``--steps-per-launch 
 of K steps (the engine's multi-step scheduling, ``jdspark.slots.multi_step_plan``). ``launch_arg_ms``: what a
 launch costs the host by its arguments alone (``launch_arg_ms``'s docstring). ``--switch``: ``width_switch``, the
 first two widths alternating step by step against the same steps in two runs (``switch_ms``).
+``plain_context_cost``: per rows and batch, a plain step of drafting rows (the drafter's context extended) over
+one of rows that never draft, pipelined, round by round (each round's two figures taken side by side) and their
+median: what adaptive's plain steps pay beyond ``--spec off``'s. ``--adaptive``:
+the backend as ``--spec adaptive`` serves it (its W > 1 steps also return the confidence head's survival).
 """
 
 from __future__ import annotations
@@ -36,40 +40,50 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
-def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int, cap: int, steps: int = 1) -> dict:
-    """The fastest of ``repeats`` rounds of ``iters`` steps, each round from freshly prefilled slots whose draft
-    caps are ``cap`` (at width 1: 0, rows that never draft, no drafter work; G, the drafter's context extended).
+def step_ms(be, refill, batch: int, width: int, iters: int, repeats: int, variants) -> tuple:
+    """Per variant (cap, steps) of ``variants``: the fastest of ``repeats`` rounds of ``iters`` steps, each round
+    from freshly prefilled slots whose draft caps are ``cap`` (at width 1: 0, rows that never draft, no drafter
+    work; G, the drafter's context extended). The variants' rounds interleave (each round times every variant,
+    the order rotating), so a machine whose speed drifts meets them alike: timed one variant's rounds after
+    another's, a 2-5% difference read as 4-10% (docs/serving.md, thirty-fourth session).
     Three figures a step, in ms: ``step_ms``, launched and waited for one at a time (the engine's round trip);
     ``dispatch_ms``, the host's part of a launch (``launch`` returning: argument handling and the enqueue);
     ``pipelined_ms``, ``iters`` launches enqueued back to back and read afterwards (the device's pace with the
     host out of the way: step_ms - pipelined_ms is what the host's round trip adds to a served step).
     ``steps`` > 1: launches of that many steps (multi-step scheduling), ``iters // steps`` of them a round; the
-    figures stay per step except ``dispatch_ms``, per launch."""
+    figures stay per step except ``dispatch_ms``, per launch. Returns ({variant: figures}, {variant: each round's
+    pipelined ms}) (the second for ratios of variants round by round)."""
     slots = list(range(batch))
-    launches = max(1, iters // steps)
-    best = {"step_ms": float("inf"), "dispatch_ms": float("inf"), "pipelined_ms": float("inf")}
+    variants = list(variants)
+    best = {v: {"step_ms": float("inf"), "dispatch_ms": float("inf"), "pipelined_ms": float("inf")}
+            for v in variants}
+    rounds = {v: [] for v in variants}
     for r in range(repeats + 1):
-        refill(batch)
-        be.params[slots, 3] = cap
-        if r == 0:
-            be.collect(be.launch(slots, width=width, steps=steps))  # compile
-            continue
-        dispatch = 0.0
-        t0 = time.perf_counter()
-        for _ in range(launches):
-            t1 = time.perf_counter()
-            h = be.launch(slots, width=width, steps=steps)
-            dispatch += time.perf_counter() - t1
-            be.collect(h)
-        best["step_ms"] = min(best["step_ms"], (time.perf_counter() - t0) / (launches * steps) * 1e3)
-        best["dispatch_ms"] = min(best["dispatch_ms"], dispatch / launches * 1e3)
-        refill(batch)
-        be.params[slots, 3] = cap
-        t0 = time.perf_counter()
-        for h in [be.launch(slots, width=width, steps=steps) for _ in range(launches)]:
-            be.collect(h)
-        best["pipelined_ms"] = min(best["pipelined_ms"], (time.perf_counter() - t0) / (launches * steps) * 1e3)
-    return best
+        for cap, steps in variants[r % len(variants):] + variants[:r % len(variants)]:
+            bv = best[(cap, steps)]
+            launches = max(1, iters // steps)
+            refill(batch)
+            be.params[slots, 3] = cap
+            if r == 0:
+                be.collect(be.launch(slots, width=width, steps=steps))  # compile
+                continue
+            dispatch = 0.0
+            t0 = time.perf_counter()
+            for _ in range(launches):
+                t1 = time.perf_counter()
+                h = be.launch(slots, width=width, steps=steps)
+                dispatch += time.perf_counter() - t1
+                be.collect(h)
+            bv["step_ms"] = min(bv["step_ms"], (time.perf_counter() - t0) / (launches * steps) * 1e3)
+            bv["dispatch_ms"] = min(bv["dispatch_ms"], dispatch / launches * 1e3)
+            refill(batch)
+            be.params[slots, 3] = cap
+            t0 = time.perf_counter()
+            for h in [be.launch(slots, width=width, steps=steps) for _ in range(launches)]:
+                be.collect(h)
+            rounds[(cap, steps)].append((time.perf_counter() - t0) / (launches * steps) * 1e3)
+            bv["pipelined_ms"] = min(bv["pipelined_ms"], rounds[(cap, steps)][-1])
+    return best, rounds
 
 
 def switch_ms(be, refill, batch: int, widths, iters: int, repeats: int) -> dict:
@@ -132,7 +146,7 @@ def launch_arg_ms(calls: int = 30) -> dict:
 
 
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
-        steps_per_launch: int = 1, switch: bool = False) -> dict:
+        steps_per_launch: int = 1, switch: bool = False, adaptive: bool = False) -> dict:
     import jdspark
     from jdspark.engine import SamplingRequest
     from jdspark.slots import SlotBackend
@@ -140,12 +154,12 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     P = max(len(p) for p in prompts)
     K = int(steps_per_launch)
     be = SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,), multi_step=K,
-                     multi_step_max_batch=slots)
+                     multi_step_max_batch=slots, adaptive=adaptive)
     room = max_len - P - be.G - 2  # steps run past a request's own limit here: the cache is the bound
     if (max(iters, K) + K) * max(widths) > room:
         raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
                          f"after a {P}-token prompt; raise --max-len or lower --iters")
-    rows, switches = [], []
+    rows, switches, context = [], [], []
     for name, temp in (("greedy", 0.0), ("sampled", 1.0)):
         def refill(n, temp=temp):
             for s in range(n):
@@ -153,11 +167,15 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
 
         for b in batches:
             for w in widths:
-                for cap in be.program_caps(w):
-                    for k in sorted({1, K}):
-                        ms = step_ms(be, refill, b, w, iters, repeats, cap, k)
-                        rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0,
-                                     "steps_per_launch": k, **ms, "per_token_ms": ms["step_ms"] / b})
+                variants = [(cap, k) for cap in be.program_caps(w) for k in sorted({1, K})]
+                best, rounds = step_ms(be, refill, b, w, iters, repeats, variants)
+                for (cap, k), ms in best.items():
+                    rows.append({"rows": name, "batch": b, "width": w, "drafter_context": cap > 0,
+                                 "steps_per_launch": k, **ms, "per_token_ms": ms["step_ms"] / b})
+                if w == 1 and len(be.program_caps(1)) == 2:  # a plain step of drafting rows against one of off's
+                    r = [x / y for x, y in zip(rounds[(be.G, 1)], rounds[(0, 1)])]
+                    context.append({"rows": name, "batch": b, "pipelined_ratio_median": float(np.median(r)),
+                                    "pipelined_ratios": r})
             if switch and drafter is not None and len(widths) > 1:
                 switches.append({"rows": name, **switch_ms(be, refill, b, widths, iters, repeats)})
     p0 = np.asarray(prompts[0])
@@ -166,8 +184,9 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     out = jdspark.generate(target, None, p0, max_new_tokens=64)
     gen_ms = (time.perf_counter() - t0) / max(len(out.tokens), 1) * 1e3
     return {"steps": rows, "slots": slots, "max_len": max_len, "prompt_len": P, "generate_plain_ms": gen_ms,
-            "iters": iters, "repeats": repeats, "steps_per_launch": K, "launch_arg_ms": launch_arg_ms(),
-            "width_switch": switches}
+            "iters": iters, "repeats": repeats, "steps_per_launch": K, "adaptive": bool(adaptive),
+            "launch_arg_ms": launch_arg_ms(),
+            "width_switch": switches, "plain_context_cost": context}
 
 
 def main(argv=None) -> int:
@@ -188,6 +207,9 @@ def main(argv=None) -> int:
                     help="K > 1: each (rows, batch, width) also in launches of K steps (multi-step scheduling)")
     ap.add_argument("--switch", action="store_true",
                     help="also time the first two widths alternating against in runs, per batch (switch_ms)")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="the backend as --spec adaptive serves it (W > 1 steps also return the confidence head's "
+                         "survival)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     target, drafter, note = gen.load_pair(a.checkpoint)
@@ -202,7 +224,8 @@ def main(argv=None) -> int:
     if a.steps_per_launch < 1:
         ap.error(f"--steps-per-launch: expected an int >= 1, got {a.steps_per_launch}")
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
-              iters=a.iters, repeats=a.repeats, steps_per_launch=a.steps_per_launch, switch=a.switch)
+              iters=a.iters, repeats=a.repeats, steps_per_launch=a.steps_per_launch, switch=a.switch,
+              adaptive=a.adaptive)
     for r in res["steps"]:
         ctx = "+ctx" if r["drafter_context"] and r["width"] == 1 else ""
         print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['width']}{ctx:4s} x{r['steps_per_launch']}: "
@@ -213,6 +236,9 @@ def main(argv=None) -> int:
         print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W={r['widths'][0]}/{r['widths'][1]} alternating "
               f"{r['alternating_ms']:7.2f} ms/step against runs {r['runs_ms']:7.2f}: "
               f"{r['alternating_over_runs']:.3f}x", file=sys.stderr)
+    for r in res["plain_context_cost"]:
+        print(f"[bench_slots] {r['rows']:7s} b={r['batch']:2d} W=1+ctx over W=1, pipelined, median of rounds: "
+              f"{r['pipelined_ratio_median']:.3f}x", file=sys.stderr)
     print(f"[bench_slots] batch-1 generate, plain: {res['generate_plain_ms']:.2f} ms/token", file=sys.stderr)
     if a.json:
         print(json.dumps(res, separators=(",", ":")))

@@ -44,6 +44,15 @@ def test_step_times_per_batch_and_width(pair):
     assert set(res["launch_arg_ms"]) == {"device_arrays_1", "device_arrays_30", "device_arrays_300",
                                          "numpy_arrays_5", "numpy_arrays_1"}
     assert all(v > 0 for v in res["launch_arg_ms"].values())
+    # a plain step of drafting rows over one of rows that never draft, round by round (both rows kinds at b = 2)
+    assert [(r["rows"], r["batch"], len(r["pipelined_ratios"])) for r in res["plain_context_cost"]] == [
+        ("greedy", 2, 1), ("sampled", 2, 1)]
+    assert all(r["pipelined_ratio_median"] > 0 for r in res["plain_context_cost"])
     json.dumps(res)
+    # the backend as --spec adaptive serves it
+    res = bench_slots.run(*pair, prompts, slots=2, max_len=64, batches=[2], widths=[1], iters=2, repeats=1,
+                          adaptive=True)
+    assert res["adaptive"] and {(r["rows"], r["drafter_context"]) for r in res["steps"]} == {
+        (n, c) for n in ("greedy", "sampled") for c in (False, True)}
     with pytest.raises(ValueError, match="overflow"):
         bench_slots.run(*pair, prompts, slots=2, max_len=40, batches=[1], widths=[4], iters=8, repeats=1)
