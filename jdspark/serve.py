@@ -426,7 +426,11 @@ def main(argv=None) -> int:
     def warm():
         t0 = time.perf_counter()
         print(f"[serve] compiling {len(backend.programs())} programs, several at a time", file=sys.stderr, flush=True)
-        backend.warm_up()
+        try:
+            backend.warm_up()
+        except Exception as e:  # a server that can never be ready exits saying why (not 503 for ever)
+            print(f"[serve] start-up failed: {e}", file=sys.stderr, flush=True)
+            os._exit(1)
         engine.start()
         ready.set()
         print(f"[serve] ready after {time.perf_counter() - t0:.0f} s of compiles and timings", file=sys.stderr,

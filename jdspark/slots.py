@@ -64,10 +64,46 @@ EXPLORE_EVERY = 64
 # ``SlotBackend.compile_all``: at most this many programs compile at once (each compile holds its own XLA memory).
 COMPILE_THREADS = 8
 
+# ``SlotBackend.compile_all`` on a CPU: memory maps kept free of the serving programs' estimate, for what else the
+# process maps (thread stacks, arrays, sockets, later compiles such as an image grid's vision tower). XLA:CPU maps
+# each fused kernel of a program on its own (code, constants and data: 3 maps a kernel), ~1000 maps a step program
+# of the shipped pair; the default server's 44 programs hold ~46k of Linux's default vm.max_map_count of 65530, and
+# a compile past the limit aborts the process inside LLVM ("Unable to allocate section memory").
+MAP_HEADROOM = 4096
+
 # Multi-step launches (``multi_step`` > 1) at batch buckets up to this: at 4 rows a one-step launch cost 8.7 ms a
 # token against 5.5 in 4-step launches on the shipped pair; at 16 adaptive verification lost with them (it plans
 # once a launch), so larger buckets take one step a launch (docs/serving.md, "Multi-step scheduling").
 MULTI_STEP_MAX_BATCH = 4
+
+
+def memory_maps() -> Optional[tuple]:
+    """(memory maps this process holds, the system's limit ``vm.max_map_count``), or None where ``/proc`` does not
+    say (not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return used, limit
+
+
+def check_map_budget(remaining: int, per_program: int, used: int, limit: int) -> None:
+    """Raise before compiling ``remaining`` more programs of ``per_program`` memory maps each, where
+
+        used + remaining * per_program > limit - MAP_HEADROOM
+
+    (``memory_maps``; XLA:CPU maps each fused kernel on its own, see MAP_HEADROOM): past the limit the process
+    would abort inside LLVM part-way through start-up, naming nothing a user can change."""
+    need = used + remaining * max(per_program, 0)
+    if need > limit - MAP_HEADROOM:
+        raise RuntimeError(
+            f"compiling the serving programs needs about {need} memory maps ({remaining + 1} programs, ~{per_program} "
+            f"a program: XLA:CPU maps each fused kernel on its own; {used} held now), over this system's limit of "
+            f"{limit} (vm.max_map_count) less {MAP_HEADROOM} kept free: serve fewer programs (fewer --prompt-buckets, "
+            f"fewer --slots: a batch bucket per power of two) or raise the limit (sysctl -w vm.max_map_count=262144)")
 
 
 def multi_step_plan(platform: str) -> tuple:
@@ -468,8 +504,17 @@ class SlotBackend:
         ``tests/jdspark/test_slots.py``). Returns the number of programs."""
         progs = self.programs()
         n = max(1, min(threads or (os.cpu_count() or 1), COMPILE_THREADS))
+        compile_one = lambda p: p[0].lower(*p[1], **p[2]).compile()  # noqa: E731
+        before = memory_maps() if jax.default_backend() == "cpu" else None
+        rest = progs
+        if before is not None and len(progs) > 1:  # price one program (the widest step of the largest batch
+            compile_one(progs[-1])  # bucket, the dearest in maps) before compiling the others: a clear error
+            after = memory_maps()  # instead of an abort in the middle of start-up
+            if after is not None:
+                check_map_budget(len(progs) - 1, after[0] - before[0], after[0], after[1])
+            rest = progs[:-1]
         with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jdspark-compile") as pool:
-            list(pool.map(lambda p: p[0].lower(*p[1], **p[2]).compile(), progs))
+            list(pool.map(compile_one, rest))
         return len(progs)
 
     def warm_up(self, reps: int = 5) -> dict:

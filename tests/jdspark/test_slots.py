@@ -7,6 +7,7 @@ block), draws with other keys than generate's loop: the same law (tests/jdspark/
 tokens. Speculating requests accept partially (1 < accept_len < G + 1); the adaptive steps use several widths."""
 
 import itertools
+import os
 import time
 
 import jax.numpy as jnp
@@ -412,3 +413,37 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     finally:
         monitoring.unregister_event_listener(on_event)
         monitoring.unregister_event_duration_listener(on_event)
+
+
+def test_compile_all_refuses_programs_past_the_memory_map_limit(pair, backend, monkeypatch):
+    """XLA:CPU maps each fused kernel of a program on its own; past Linux's vm.max_map_count a compile aborts the
+    process inside LLVM. ``compile_all`` compiles one program, prices the rest by its maps and raises a clear error
+    before the others compile (here: 1000 maps a program against a limit of 6000 less the headroom)."""
+    from jdspark import slots
+
+    target, drafter, _ = pair
+    reads = iter([(1000, 6000), (2000, 6000)])  # before and after the one program priced
+    monkeypatch.setattr(slots, "memory_maps", lambda: next(reads))
+
+    class NoPool:  # the remaining programs must not start compiling
+        def __init__(self, *a, **k):
+            raise AssertionError("compiled the rest past the budget")
+
+    monkeypatch.setattr(slots.concurrent.futures, "ThreadPoolExecutor", NoPool)
+    with pytest.raises(RuntimeError, match=r"vm\.max_map_count.*--prompt-buckets"):
+        backend.compile_all(threads=1)
+    assert next(reads, None) is None  # both reads taken: the price came from a compile
+
+
+def test_the_memory_map_budget():
+    """``check_map_budget``: used + remaining x per program against the limit less MAP_HEADROOM; ``memory_maps``
+    reads this process's maps and the system's limit (Linux)."""
+    from jdspark.slots import MAP_HEADROOM, check_map_budget, memory_maps
+
+    check_map_budget(40, 1000, 3000, 65530)  # the default server's shape: 44 programs
+    check_map_budget(0, 1000, 65530 - MAP_HEADROOM, 65530)  # exactly at the budget
+    with pytest.raises(RuntimeError, match="about 66530 memory maps"):
+        check_map_budget(60, 1000, 6530, 65530)
+    got = memory_maps()
+    if os.path.exists("/proc/self/maps"):
+        assert got is not None and 0 < got[0] < got[1]
