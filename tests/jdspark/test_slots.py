@@ -415,13 +415,12 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
         monitoring.unregister_event_duration_listener(on_event)
 
 
-def test_compile_all_refuses_programs_past_the_memory_map_limit(pair, backend, monkeypatch):
+def test_compile_all_refuses_programs_past_the_memory_map_limit(backend, monkeypatch):
     """XLA:CPU maps each fused kernel of a program on its own; past Linux's vm.max_map_count a compile aborts the
     process inside LLVM. ``compile_all`` compiles one program, prices the rest by its maps and raises a clear error
     before the others compile (here: 1000 maps a program against a limit of 6000 less the headroom)."""
     from jdspark import slots
 
-    target, drafter, _ = pair
     reads = iter([(1000, 6000), (2000, 6000)])  # before and after the one program priced
     monkeypatch.setattr(slots, "memory_maps", lambda: next(reads))
 
