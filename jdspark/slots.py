@@ -504,7 +504,11 @@ class SlotBackend:
         ``tests/jdspark/test_slots.py``). Returns the number of programs."""
         progs = self.programs()
         n = max(1, min(threads or (os.cpu_count() or 1), COMPILE_THREADS))
-        compile_one = lambda p: p[0].lower(*p[1], **p[2]).compile()  # noqa: E731
+
+        def compile_one(prog) -> None:
+            fn, args, kw = prog
+            fn.lower(*args, **kw).compile()
+
         before = memory_maps() if jax.default_backend() == "cpu" else None
         rest = progs
         if before is not None and len(progs) > 1:  # price one program (the widest step of the largest batch
