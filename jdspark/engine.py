@@ -57,6 +57,7 @@ class StepOutput:
     drafted: int = 0  # drafts verified this step
     accepted: int = 0  # drafts accepted this step
     verified: int = 1  # tokens the target verified for this slot this step (1 for a plain decode step)
+    cached: int = 0  # an insert's: prompt tokens found in the prefix cache, not prefilled (``jdspark.prefix``)
 
 
 class Backend(Protocol):
@@ -94,6 +95,7 @@ class Request:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    cached_tokens: int = 0  # prompt tokens its insert took from the prefix cache
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
     admitted_at: Optional[float] = None
@@ -104,7 +106,8 @@ class Request:
     def usage(self) -> dict:
         n = len(self.output_ids)
         return {"prompt_tokens": len(self.sampling.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(self.sampling.prompt_ids) + n, "drafted": self.drafted,
+                "total_tokens": len(self.sampling.prompt_ids) + n,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}, "drafted": self.drafted,
                 "accepted": self.accepted, "accept_len": (self.accepted + self.steps) / self.steps if self.steps
                 else 0.0}
 
@@ -295,7 +298,9 @@ class Engine:
                     break
             if reason is not None:
                 break
-        if not prefill:
+        if prefill:
+            req.cached_tokens = sum(o.cached for o in used)
+        else:
             req.steps += len(used)
             req.drafted += sum(o.drafted for o in used)
             req.accepted += sum(o.accepted for o in used)

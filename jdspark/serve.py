@@ -7,7 +7,8 @@ chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``; ``image_url`` parts wi
 has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``GET /health`` (503 until every
 program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
 decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
-``accept_len``). Bad input gets ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an
+``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
+took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an
 unknown model, 429 when the waiting queue is full, 503 before the engine is ready); a request field this server
 does not implement (``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400
 naming it unless it has the value that asks for nothing. A client that disconnects frees its slot.
@@ -383,6 +384,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
                          "of them; default: the checkpoint's (the shipped drafter's: 64, from which it accepts "
                          "more than from a longer context, docs/performance.md)")
+    ap.add_argument("--prefix-pool", type=int, default=32,
+                    help="prefix caching: keep the caches after up to N prompts (~1.4 MiB each for the shipped pair "
+                         "at --max-len 1024); a prompt that begins with a kept one prefills only the rest, and may "
+                         "then be longer than the largest prompt bucket (jdspark.prefix); 0: off")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -392,6 +397,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
     if a.multi_step_max_batch < 0:
         ap.error(f"--multi-step-max-batch: expected an int >= 0 (0: every batch bucket), got {a.multi_step_max_batch}")
+    if a.prefix_pool < 0:
+        ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
     return a
@@ -409,6 +416,7 @@ def make_engine(a: argparse.Namespace):
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
+                          prefix_pool=a.prefix_pool,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
@@ -439,7 +447,9 @@ def main(argv=None) -> int:
     threading.Thread(target=warm, name="jdspark-warm-up", daemon=True).start()
     app = build_app(engine, tok, model_name=name, vocab_size=target.config.vocab_size,
                     max_context=a.max_len - backend.G - 1, metrics=metrics, is_ready=ready.is_set,
-                    max_prompt=backend.prompt_buckets[-1],
+                    # with prefix caching a longer prompt is served when it begins with a kept one (else the
+                    # insert refuses it, saying so)
+                    max_prompt=None if backend.prefix is not None else backend.prompt_buckets[-1],
                     spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0

@@ -3,7 +3,9 @@
 Counters (exposed with the ``_total`` suffix, as vLLM's are): ``vllm:spec_decode_num_drafts``,
 ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens``,
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0-based), ``vllm:prompt_tokens``,
-``vllm:generation_tokens``, ``vllm:request_success`` (label ``finished_reason``). Gauges:
+``vllm:generation_tokens``, ``vllm:request_success`` (label ``finished_reason``), ``vllm:prefix_cache_queries`` and
+``vllm:prefix_cache_hits`` (prompt tokens looked up / found kept: ``jdspark.prefix``; hit rate = hits / queries).
+Gauges:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``. Histograms: ``vllm:time_to_first_token_seconds``,
 ``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
 ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``, and ``jdspark:verified_tokens_per_step``
@@ -42,7 +44,12 @@ class ServeMetrics:
         self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the block (0-based).",
                                         labelnames=["model_name", "position"], registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens prefilled.", registry=r, **lab)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens (those found in the prefix cache too).",
+                                     registry=r, **lab)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r, **lab)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "prefilled).", registry=r, **lab)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated (completion tokens).",
                                          registry=r, **lab)
         self.success = Counter("vllm:request_success", "Finished requests by reason.",
@@ -79,6 +86,8 @@ class ServeMetrics:
         tokens counted, acceptance recorded per speculative step, latencies observed."""
         if prefill:
             self._m(self.prompt_tokens).inc(len(req.sampling.prompt_ids))
+            self._m(self.prefix_queries).inc(len(req.sampling.prompt_ids))
+            self._m(self.prefix_hits).inc(req.cached_tokens)
         self._m(self.generation_tokens).inc(len(taken))
         for out in outs if not prefill else ():
             self._m(self.verified).observe(out.verified)

@@ -43,10 +43,11 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
+from jdspark.graphs import merge_module, split_module
+from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, extend, pool_like, snapshot
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
 from kimi import dispatch
@@ -126,44 +127,12 @@ def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     return tuple(out + [n])
 
 
-class _Static:
-    """A jit static argument whose hash is computed once and whose equality tries identity first: an nnx GraphDef
-    hashes and compares structurally, ~2 ms per step on the default pair, paid on every call otherwise."""
-
-    __slots__ = ("obj", "_hash")
-
-    def __init__(self, obj):
-        self.obj, self._hash = obj, hash(obj)
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return isinstance(other, _Static) and (other.obj is self.obj or other.obj == self.obj)
-
-
-def _split(module) -> tuple:
-    """A module as (static graph and tree structure, its arrays as a flat tuple). Passed to a jit as a tuple of
-    arrays its ~300 leaves dispatch in C++; as an nnx State each step paid Python flattening of every Variable
-    (~1.5 ms of a ~7 ms batch-1 step on the default pair)."""
-    graph, state = nnx.split(module)
-    leaves, tree = jax.tree.flatten(state)
-    return _Static((graph, tree)), tuple(leaves)
-
-
-def _merge(graph: Optional[_Static], leaves):
-    if graph is None:
-        return None
-    g, tree = graph.obj
-    return nnx.merge(g, jax.tree.unflatten(tree, leaves))
-
-
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk"), donate_argnames=("state",))
 def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
             media_PD=None, *, max_len, chunk=None):
     """Prefill one request into ``slot``. ``media_PD``: the prompt's image features, padded to the prompt bucket
     (a prompt of P tokens holds at most P placeholders), so one program serves every image prompt of a bucket."""
-    target, drafter = _merge(t_graph, t_state), _merge(d_graph, d_state)
+    target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
     row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
@@ -184,7 +153,7 @@ def _step(t_graph, d_graph, t_state, d_state, state, host_b5, *, width, confiden
     (multi-step scheduling: the host's round trip per step is what a batch-1 step spends most on here).
     ``extend_context`` False (width 1 only): the plain step leaves the drafter's context as it is (no drafter work
     at all): for rows that never draft (draft cap 0 for their whole request)."""
-    target, drafter = _merge(t_graph, t_state), _merge(d_graph, d_state)
+    target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     rows_b, topk_b, cap_b = (host_b5[:, j].astype(jnp.int32) for j in (0, 1, 4))
     temp_b, topp_b = host_b5[:, 2], host_b5[:, 3]
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
@@ -216,7 +185,8 @@ class SlotBackend:
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
-                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH):
+                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: int = 0,
+                 prefix_min_tokens: int = PREFIX_MIN_TOKENS):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -240,13 +210,16 @@ class SlotBackend:
             if c is not None and chunked_positions(P, c) + self.G + 1 > self.max_len:
                 raise ValueError(f"prefill_chunk: bucket {P} in chunks of {c} writes {chunked_positions(P, c)} "
                                  f"positions; with a block they exceed max_len ({self.max_len})")
-        self.t_graph, self.t_state = _split(self.target)
-        self.d_graph, self.d_state = _split(self.drafter) if self.drafter is not None else (None, None)
+        self.t_graph, self.t_state = split_module(self.target)
+        self.d_graph, self.d_state = split_module(self.drafter) if self.drafter is not None else (None, None)
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len))
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
+        # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
+        self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
+        self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
         self.params[:, 2] = 1.0
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
@@ -279,21 +252,33 @@ class SlotBackend:
                 return b
         raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})")
 
+    def extension_bucket(self, kept: int, n: int) -> Optional[int]:
+        """The prompt bucket that prefills tokens kept .. n - 1 on a kept prompt of ``kept`` tokens (its padded
+        chunk must fit the cache after them), or None."""
+        E = next((b for b in self.prompt_buckets if b >= n - kept), None)
+        return E if E is not None and kept + E <= self.max_len else None
+
     def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
         n = len(req.prompt_ids)
-        P = self.prompt_bucket(n)
         if n + req.max_tokens + self.G + 1 > self.max_len:
             raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) + a block ({self.G + 1}) exceed the "
                              f"slots' cache of {self.max_len} positions")
-        # (a multi-step launch may step a row past its request's end: those positions are written only after the
-        # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
-        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
-        padded[0, :n] = req.prompt_ids
         mode = req.spec_mode or ("adaptive" if self.adaptive else "fixed")
         if mode not in ("fixed", "adaptive"):
             raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
         if mode == "adaptive" and not self.adaptive:
             raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
+        keep = self.prefix is not None and req.images is None  # prefix caching: text prompts only
+        hit = self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None) if keep else None
+        cached = hit[1] if hit is not None else 0
+        if hit is None and n > self.prompt_buckets[-1]:
+            raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})"
+                             + (" and begins with no prompt the prefix cache keeps" if keep else ""))
+        P = self.prompt_bucket(n - cached)  # a hit prefills only the tokens after the kept prompt
+        # (a multi-step launch may step a row past its request's end: those positions are written only after the
+        # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
+        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
+        padded[0, :n - cached] = req.prompt_ids[cached:]
         media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
         cap = self.G if req.speculative else 0
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
@@ -301,10 +286,30 @@ class SlotBackend:
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
-        # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
-        chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-        first = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk)
-        return StepOutput([int(np.asarray(first)[0])])
+        if hit is None:
+            # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
+            chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
+            first = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk)
+        else:
+            first = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
+        row = self.prefix.store(req.prompt_ids) if keep else None
+        if row is not None:  # the state after this prompt, for the prompts that will begin with it
+            self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
+        return StepOutput([int(np.asarray(first)[0])], cached=cached)
+
+    def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
+                top_p: float):
+        """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
+        (the state donated and replaced); the first token [1]."""
+        self.state, first = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p))
+        return first
+
+    def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
+                     top_p: float) -> tuple:
+        """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
+        return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
+                np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed),
+                np.float32(temperature), np.int32(top_k), np.float32(top_p))
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
                  media_PD, chunk):
@@ -488,6 +493,10 @@ class SlotBackend:
             padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
             out.append((_insert, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
                                                     dispatch.prefill_chunk(P, self.prefill_chunk))))
+            if self.prefix is not None:  # a prefix-cache hit's extension of this bucket
+                out.append((extend, self._extend_args(0, 0, padded, P, 0, 0.0, 0, 1.0), {}))
+        if self.prefix is not None:
+            out.append((snapshot, (self.pool, self.state, np.int32(0), np.int32(0)), {}))
         for b in self.batch_buckets:
             rows = np.arange(b, dtype=np.int32)
             for w in self.widths:
@@ -555,6 +564,8 @@ class SlotBackend:
                         t0 = time.perf_counter()
                         self.collect(self.launch(list(range(b)), width=w, steps=k))
                         timings.observe((b, w), (time.perf_counter() - t0) / k)
+        if self.prefix is not None:  # warm-up's prompts are no one's
+            self.prefix.clear()
         for s in range(self.num_slots):
             self.free(s)
             self.tracker.reset(s)

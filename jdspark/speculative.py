@@ -292,6 +292,33 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     return Stream(first, cache, dcache, key), first
 
 
+def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams):
+    """Prefill ``ext_len`` more prompt tokens (right-padded [1, E]) on top of a stream whose caches already hold a
+    prefix of the prompt (a prefix-cache hit: ``jdspark.prefix``): (Stream, first token [1]), as ``prefill_stream``
+    of the whole prompt would give up to float reassociation (one chunk of E on the cached state, the chunked
+    prefill's form). The prefix's own anchor and key are dropped: the stream's next token is drawn from the
+    extension's last logits with a fresh ``key`` (the request's seed), as a fresh prefill's is.
+
+        cache, dcache <- prefill_chunked(ext, cache = row.cache, chunk = E)   MLA attends to the prefix's latents,
+                                                                            KDA and conv continue their state
+        the drafter's context gets the extension's taps at positions n .. n + ext_len - 1 (n = the prefix's length)
+    The cache must hold n + E positions (the caller checks)."""
+    taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
+    E = ext_1E.shape[1]
+    base_1 = row.cache.length
+
+    def to_drafter(dc, taps_1CX, v_1, start):
+        return drafter.append_context(dc, taps_1CX, v_1[0], start_pos=base_1 + start)
+
+    last_1V, cache, dcache = prefill_chunked(target, ext_1E, row.cache, chunk=E, tap_layers=taps,
+                                             valid_len_B=jnp.reshape(ext_len, (1,)).astype(jnp.int32),
+                                             taps_fn=to_drafter if drafter is not None else None,
+                                             taps_init=row.dcache)
+    k0, key = rng.split(key)
+    first = sample(k0, last_1V, sp)
+    return Stream(first, cache, dcache, key), first
+
+
 def plain_step(target, st: Stream, sp: SamplingParams, drafter=None):
     """One target decode of the anchor: (Stream, StepOut) with one new token.
 

@@ -1,6 +1,7 @@
 """A real uvicorn server on a loopback port over the real Engine and HTTP app, with a scripted backend (the model
 is replaced, nothing else): the backend's token for slot s after token t is (t + 1) % 256, so a request's text is
-known in advance; ``gate`` pauses steps (to fill the queue), ``drafts`` fakes acceptance per step."""
+known in advance; ``gate`` pauses steps (to fill the queue), ``drafts`` fakes acceptance per step; every insert
+says half its prompt came from the prefix cache."""
 
 import socket
 import threading
@@ -30,7 +31,7 @@ class ScriptedBackend:
             raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
         self.last[slot] = (req.prompt_ids[-1] + 1) % 256
-        return StepOutput([self.last[slot]])
+        return StepOutput([self.last[slot]], cached=len(req.prompt_ids) // 2)  # as if half were kept
 
     def step(self, slots):
         self.gate.wait()

@@ -55,6 +55,7 @@ def test_health_models_and_a_completion(srv):
     assert body["choices"][0]["text"] == expected_text("abc", 10)
     u = body["usage"]
     assert u["completion_tokens"] == 10 and u["prompt_tokens"] == 4  # BOS + 3 bytes
+    assert u["prompt_tokens_details"] == {"cached_tokens": 2}  # the scripted backend's prefix-cache hit
     assert u["drafted"] == 4 * 3 and u["accepted"] == 2 * 3  # 1 + 3 + 3 + 3 tokens: 3 steps of 4 drafted
 
 
@@ -225,7 +226,8 @@ def test_metrics_match_what_was_served_and_a_soak(soak_srv):
     m1 = _wait_idle(srv)
     d = {k: _metric(m1, k) - _metric(m0, k) for k in
          ("vllm:generation_tokens_total", "vllm:spec_decode_num_draft_tokens_total",
-          "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")}
+          "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total",
+          "vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
     length = _metric(m1, "vllm:request_success_total", finished_reason="length") - \
         _metric(m0, "vllm:request_success_total", finished_reason="length")
     assert length == n_good
@@ -235,6 +237,9 @@ def test_metrics_match_what_was_served_and_a_soak(soak_srv):
     per_pos = sum(_metric(m1, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(8))
     assert per_pos == _metric(m1, "vllm:spec_decode_num_accepted_tokens_total")
     assert re.search(r"vllm:time_to_first_token_seconds_count\{[^}]*\} [1-9]", m1)
+    # every prefill looked its prompt up; the scripted backend found half of each ("k", "d": BOS + 1 byte)
+    queries, hits = d["vllm:prefix_cache_queries_total"], d["vllm:prefix_cache_hits_total"]
+    assert queries == d["vllm:prompt_tokens_total"] == 2 * hits > 0
 
 
 def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
@@ -382,7 +387,7 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
         loop.close()
 
 
-def test_multi_step_flags_reach_the_slots():
+def test_multi_step_and_prefix_flags_reach_the_slots():
     """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default: the
     platform's plan, 4 on a CPU, every bucket on a GPU; 0: every bucket), is checked, and make_engine hands it to
     the slots; bench_serve passes --server-args only to a server it starts."""
@@ -397,10 +402,14 @@ def test_multi_step_flags_reach_the_slots():
     assert serve.parse_args(["--multi-step", "2"]).multi_step == 2
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-max-batch", "-1"])
-    a = serve.parse_args(["--checkpoint", "checkpoints/default", "--slots", "2", "--max-len", "256",
-                          "--prompt-buckets", "64", "--multi-step", "3", "--multi-step-max-batch", "1"])
+    a_flags = ["--checkpoint", "checkpoints/default", "--slots", "2", "--max-len", "256", "--prompt-buckets", "64"]
+    a = serve.parse_args([*a_flags, "--multi-step", "3", "--multi-step-max-batch", "1"])
     _, backend, *_ = serve.make_engine(a)
     assert (backend.steps_for(1), backend.steps_for(2)) == (3, 1)
+    assert backend.prefix.capacity == 32  # prefix caching is on by default; --prefix-pool 0 turns it off
+    assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "0"]))[1].prefix is None
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--prefix-pool", "-1"])
     for flag, want in ((["--multi-step-max-batch", "0"], [4] * 5), ([], [4, 4, 4, 4, 1])):  # buckets 1, 2, 4, 8
         _, backend, *_ = serve.make_engine(serve.parse_args(["--slots", "8", "--max-len", "256", "--prompt-buckets",
                                                              "64", *flag]))

@@ -1,0 +1,116 @@
+"""Prefix caching for the serving slots: a prompt that begins with a prompt served before prefills only its new
+tokens, on top of a copy of the caches the earlier prompt left.
+
+Why: a coding agent or a chat client sends the whole conversation again on every turn (system prompt, tools, every
+earlier turn, then the new message), so without a cache each turn's time to first token grows with the whole
+conversation, and a conversation past the largest prompt bucket cannot be served at all. With one, a turn pays
+for its new tokens (the previous answer and the new message), and its prompt may be as long as the slots' cache.
+
+What is kept: the whole stream state of a slot right after its prompt's prefill (target cache: KDA and conv state,
+MLA latents; the drafter's context; in ``pool``, a pytree of the slots' own leaves with a leading axis of
+``capacity`` rows), keyed by the prompt's token ids. Only the state after a *prompt* is kept: Kimi's KDA layers are
+recurrent, so a state cannot be cut back to an earlier position, and a slot's state after its completion holds the
+tokens of its last draft block past the request's end (which the client never saw). vLLM's prefix caching of
+hybrid (Mamba-style) models keeps states at block boundaries for the same reason.
+
+    lookup(prompt): the longest kept prompt p with prompt[:len(p)] == p and len(p) < len(prompt)   (host, LRU)
+    hit:  state[slot] <- extend_stream(pool[row], prompt[len(p):])    one chunk on the kept state (``_extend``)
+    miss: the slot's ordinary insert (``jdspark.slots``)
+    then: pool[row'] <- state[slot] for the new prompt (``_snapshot``), unless it is shorter than ``min_tokens``
+
+A hit's output equals a fresh prefill's up to float reassociation (the chunked prefill's form); the sampled first
+token is drawn with the request's own key, as a fresh prefill's is. Requests with images are neither looked up nor
+kept. ``PrefixPool`` is the host index alone (no JAX), so its policy is tested on its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Callable, Optional, Sequence
+
+import jax
+
+from jdspark.graphs import merge_module
+from jdspark.sampling import SamplingParams
+from jdspark.speculative import extend_stream
+
+__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "pool_like", "snapshot", "extend"]
+
+# Prompts shorter than this are not kept: their prefill is a few ms, a kept row is a slot's whole cache.
+PREFIX_MIN_TOKENS = 32
+
+
+class PrefixPool:
+    """Which kept prompt each of ``capacity`` device rows holds; least recently used rows are reused first."""
+
+    def __init__(self, capacity: int, min_tokens: int = PREFIX_MIN_TOKENS):
+        if capacity < 1:
+            raise ValueError(f"capacity: expected >= 1 rows, got {capacity}")
+        if min_tokens < 1:
+            raise ValueError(f"min_tokens: expected >= 1, got {min_tokens}")
+        self.capacity, self.min_tokens = int(capacity), int(min_tokens)
+        self.rows: collections.OrderedDict = collections.OrderedDict()  # prompt ids (tuple) -> row, oldest first
+        self.queries = self.hits = 0  # prompt tokens looked up, and those found kept (vLLM's counters' units)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def lookup(self, ids: Sequence[int], fits: Optional[Callable[[int], bool]] = None) -> Optional[tuple]:
+        """(row, n) of the longest kept prompt that is a proper prefix of ``ids`` (n its tokens; at least one token
+        of ``ids`` is left to prefill, whose logits give the first token) and for which ``fits(n)`` holds (the
+        caller's room for the rest), or None. A hit becomes most recent."""
+        ids = tuple(int(t) for t in ids)
+        self.queries += len(ids)
+        best = None
+        for key, row in self.rows.items():
+            n = len(key)
+            if (n < len(ids) and (best is None or n > best[1]) and ids[:n] == key
+                    and (fits is None or fits(n))):
+                best = (row, n, key)
+        if best is None:
+            return None
+        self.rows.move_to_end(best[2])
+        self.hits += best[1]
+        return best[0], best[1]
+
+    def store(self, ids: Sequence[int]) -> Optional[int]:
+        """The row to copy the state after prompt ``ids`` into (the least recently used one when all are taken),
+        or None when ``ids`` is too short to keep or already kept (then it becomes most recent)."""
+        key = tuple(int(t) for t in ids)
+        if len(key) < self.min_tokens:
+            return None
+        if key in self.rows:
+            self.rows.move_to_end(key)
+            return None
+        if len(self.rows) < self.capacity:
+            row = len(self.rows)
+        else:
+            _, row = self.rows.popitem(last=False)
+        self.rows[key] = row
+        return row
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
+def pool_like(state, capacity: int):
+    """Device rows for ``capacity`` kept prompts, shaped as the slots' state (leading axis ``capacity``)."""
+    return jax.tree.map(lambda s: jax.numpy.zeros((capacity,) + s.shape[1:], s.dtype), state)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def snapshot(pool, state, slot, row):
+    """pool[row] <- state[slot] (every leaf)."""
+    return jax.tree.map(lambda p, s: p.at[row].set(s[slot]), pool, state)
+
+
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph"), donate_argnames=("state",))
+def extend(t_graph, d_graph, t_state, d_state, state, pool, slot, row, ext_1E, ext_len, key, temp, top_k, top_p):
+    """Prefill the extension ``ext_1E`` (``ext_len`` valid) on the kept prompt ``pool[row]`` into ``slot``:
+    (state, first token [1]). One program per extension bucket E; slot and row traced."""
+    target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
+    sp = SamplingParams.rows(temp, top_k, top_p)
+    kept = jax.tree.map(lambda p: p[row], pool)
+    new, first = extend_stream(target, drafter, kept, ext_1E, ext_len, key, sp)
+    return jax.tree.map(lambda s, r: s.at[slot].set(r), state, new), first

@@ -1,0 +1,150 @@
+"""Time to first token of a conversation's turns with prefix caching and without it, side by side (JSON).
+
+  python scripts/bench_prefix.py --json                  # the shipped pair, 4 conversations of 7 turns
+  python scripts/bench_prefix.py --conversations 2 --turns 4 --first-len 128 --json
+
+A conversation as a chat client or a coding agent sends it: turn 1's prompt is a held-out code excerpt of
+``--first-len`` tokens; each later turn's prompt is the previous prompt + the model's answer to it (``--answer-len``
+tokens, greedy, served by the slots) + a new message (``--message-len`` tokens of another held-out excerpt).
+Each turn's insert (``SlotBackend.insert``: the prefill and the first token read back, what a request waits for
+before its first token) is timed two ways on one backend, alternated per turn and round:
+  ``off``: no prefix cache (as ``--prefix-pool 0`` serves: the whole prompt prefilled, in its prompt bucket);
+  ``on``:  the previous turn's prompt kept (inserted just before, untimed), so only the answer and the new message
+           are prefilled (``jdspark.prefix``).
+Reported per turn: prompt and cached tokens, the median over ``--rounds`` of each way's ms, and off / on; and the
+sum over turns. Both ways must give the same first token (greedy): the script says where they do not. The backend
+has prompt buckets up to 1024 so that ``off`` can serve every turn; a server with the default buckets (up to 512)
+serves turns past 512 tokens only with the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+
+def conversations(be, docs, tok, n: int, turns: int, first_len: int, answer_len: int, message_len: int) -> list:
+    """``n`` conversations of ``turns`` prompts each (token id lists), the answers served greedily by ``be``."""
+    from jdspark import data as jdata
+    from jdspark.engine import SamplingRequest
+
+    firsts = jdata.prompts_from_documents(docs, n, first_len, tokenizer=tok, seed=0)
+    messages = jdata.prompts_from_documents(docs, n * turns, message_len + 1, tokenizer=tok, seed=1)
+    out = []
+    for c in range(n):
+        prompt, convo = [int(t) for t in firsts[c]], []
+        for t in range(turns):
+            convo.append(list(prompt))
+            answer = be.insert(0, SamplingRequest(tuple(prompt), answer_len)).tokens
+            while len(answer) < answer_len:
+                answer += be.step([0])[0].tokens
+            be.free(0)
+            prompt = prompt + answer[:answer_len] + [int(x) for x in messages[c * turns + t][1:]]  # no BOS inside
+        out.append(convo)
+    return out
+
+
+def timed_insert(be, prompt) -> tuple:
+    """(ms, first token, cached tokens) of one insert into slot 0."""
+    from jdspark.engine import SamplingRequest
+
+    t0 = time.perf_counter()
+    out = be.insert(0, SamplingRequest(tuple(prompt), 1))
+    ms = (time.perf_counter() - t0) * 1e3
+    be.free(0)
+    return ms, out.tokens[0], out.cached
+
+
+def run(a) -> dict:
+    import generate as gen
+    import jax
+
+    from jdspark import workloads
+    from jdspark.slots import SlotBackend
+
+    target, drafter, note = gen.load_pair(a.checkpoint)
+    print(f"[bench_prefix] {note}", file=sys.stderr)
+    tok = gen.load_tokenizer(a.checkpoint, target.config)
+    buckets = (64, 128, 256, 512, 1024)
+    G = drafter.config.block_size if drafter is not None else 0
+    be = SlotBackend(target, drafter, num_slots=1, max_len=2048, prompt_buckets=buckets, prefix_pool=a.turns)
+    convos = conversations(be, workloads.documents("code"), tok, a.conversations, a.turns, a.first_len,
+                           a.answer_len, a.message_len)
+    longest = max(len(p) for c in convos for p in c)
+    if longest > buckets[-1] or longest + 1 + G + 1 > be.max_len:
+        raise SystemExit(f"the longest turn has {longest} tokens: more than this bench's largest prompt bucket "
+                         f"({buckets[-1]}); use fewer --turns or shorter lengths")
+    pool = be.prefix
+    ms = {"off": [[[] for _ in range(a.turns)] for _ in convos], "on": [[[] for _ in range(a.turns)] for _ in convos]}
+    cached, mismatches = {}, []
+    for r in range(a.rounds + 1):  # round 0 runs every program once (compiles), untimed
+        for c, convo in enumerate(convos):
+            for t, prompt in enumerate(convo):
+                order = ("off", "on") if (r + t) % 2 == 0 else ("on", "off")
+                firsts = {}
+                for way in order:
+                    if way == "off":
+                        be.prefix = None  # as --prefix-pool 0: no lookup, nothing kept
+                        m, firsts[way], _ = timed_insert(be, prompt)
+                        be.prefix = pool
+                    else:
+                        pool.clear()
+                        if t > 0:
+                            timed_insert(be, convo[t - 1])  # the previous turn, kept
+                        m, firsts[way], cached[(c, t)] = timed_insert(be, prompt)
+                    if r > 0:
+                        ms[way][c][t].append(m)
+                if firsts["off"] != firsts["on"]:
+                    mismatches.append({"conversation": c, "turn": t, "off": int(firsts["off"]),
+                                       "on": int(firsts["on"])})
+    rows = []
+    for t in range(a.turns):
+        off = [float(np.median(ms["off"][c][t])) for c in range(len(convos))]
+        on = [float(np.median(ms["on"][c][t])) for c in range(len(convos))]
+        rows.append({"turn": t + 1, "prompt_tokens": float(np.mean([len(cv[t]) for cv in convos])),
+                     "cached_tokens": float(np.mean([cached[(c, t)] for c in range(len(convos))])),
+                     "ttft_off_ms": round(float(np.mean(off)), 2), "ttft_on_ms": round(float(np.mean(on)), 2),
+                     "off_over_on": round(float(np.mean(off)) / float(np.mean(on)), 3)})
+    tot_off, tot_on = sum(r["ttft_off_ms"] for r in rows), sum(r["ttft_on_ms"] for r in rows)
+    return {"checkpoint": a.checkpoint, "backend": jax.default_backend(),
+            "conversations": len(convos), "turns": a.turns, "first_len": a.first_len, "answer_len": a.answer_len,
+            "message_len": a.message_len, "rounds": a.rounds, "per_turn": rows,
+            "total_ttft_off_ms": round(tot_off, 2), "total_ttft_on_ms": round(tot_on, 2),
+            "total_off_over_on": round(tot_off / tot_on, 3), "first_token_mismatches": mismatches}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=7)
+    ap.add_argument("--first-len", type=int, default=256)
+    ap.add_argument("--answer-len", type=int, default=64)
+    ap.add_argument("--message-len", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (after one untimed round that compiles)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    for name in ("conversations", "turns", "first_len", "answer_len", "message_len", "rounds"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(a, name)}")
+    res = run(a)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for r in res["per_turn"]:
+            print(r)
+        print({k: v for k, v in res.items() if k != "per_turn"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
