@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 
-def conversations(be, docs, tok, n: int, turns: int, first_len: int, answer_len: int, message_len: int) -> list:
+def conversations_of(be, docs, tok, n: int, turns: int, first_len: int, answer_len: int, message_len: int) -> list:
     """``n`` conversations of ``turns`` prompts each (token id lists), the answers served greedily by ``be``."""
     from jdspark import data as jdata
     from jdspark.engine import SamplingRequest
@@ -64,34 +64,32 @@ def timed_insert(be, prompt) -> tuple:
     return ms, out.tokens[0], out.cached
 
 
-def run(a) -> dict:
-    import generate as gen
+BUCKETS = (64, 128, 256, 512, 1024)  # up to 1024, so that the uncached way serves every turn
+
+
+def measure(target, drafter, docs, tok=None, *, conversations: int, turns: int, first_len: int, answer_len: int,
+            message_len: int, rounds: int, buckets=BUCKETS, max_len: int = 2048) -> dict:
+    """The JSON (see the module docstring) for conversations cut from ``docs`` (bytes; ``tok`` None: byte ids)."""
     import jax
 
-    from jdspark import workloads
     from jdspark.slots import SlotBackend
 
-    target, drafter, note = gen.load_pair(a.checkpoint)
-    print(f"[bench_prefix] {note}", file=sys.stderr)
-    tok = gen.load_tokenizer(a.checkpoint, target.config)
-    buckets = (64, 128, 256, 512, 1024)
     G = drafter.config.block_size if drafter is not None else 0
-    be = SlotBackend(target, drafter, num_slots=1, max_len=2048, prompt_buckets=buckets, prefix_pool=a.turns)
-    convos = conversations(be, workloads.documents("code"), tok, a.conversations, a.turns, a.first_len,
-                           a.answer_len, a.message_len)
-    longest = max(len(p) for c in convos for p in c)
-    if longest > buckets[-1] or longest + 1 + G + 1 > be.max_len:
-        raise SystemExit(f"the longest turn has {longest} tokens: more than this bench's largest prompt bucket "
-                         f"({buckets[-1]}); use fewer --turns or shorter lengths")
+    be = SlotBackend(target, drafter, num_slots=1, max_len=max_len, prompt_buckets=buckets, prefix_pool=turns,
+                     prefix_min_tokens=1)
+    longest = first_len + (turns - 1) * (answer_len + message_len)
+    if longest > buckets[-1] or longest + answer_len + G + 1 > max_len:
+        raise ValueError(f"the longest turn has {longest} tokens (+ {answer_len} answered): more than the largest "
+                         f"prompt bucket ({buckets[-1]}) or the caches ({max_len}); use fewer turns or shorter lengths")
+    convos = conversations_of(be, docs, tok, conversations, turns, first_len, answer_len, message_len)
     pool = be.prefix
-    ms = {"off": [[[] for _ in range(a.turns)] for _ in convos], "on": [[[] for _ in range(a.turns)] for _ in convos]}
+    ms = {w: [[[] for _ in range(turns)] for _ in convos] for w in ("off", "on")}
     cached, mismatches = {}, []
-    for r in range(a.rounds + 1):  # round 0 runs every program once (compiles), untimed
+    for r in range(rounds + 1):  # round 0 runs every program once (compiles), untimed
         for c, convo in enumerate(convos):
             for t, prompt in enumerate(convo):
-                order = ("off", "on") if (r + t) % 2 == 0 else ("on", "off")
                 firsts = {}
-                for way in order:
+                for way in ("off", "on") if (r + t) % 2 == 0 else ("on", "off"):
                     if way == "off":
                         be.prefix = None  # as --prefix-pool 0: no lookup, nothing kept
                         m, firsts[way], _ = timed_insert(be, prompt)
@@ -107,18 +105,16 @@ def run(a) -> dict:
                     mismatches.append({"conversation": c, "turn": t, "off": int(firsts["off"]),
                                        "on": int(firsts["on"])})
     rows = []
-    for t in range(a.turns):
-        off = [float(np.median(ms["off"][c][t])) for c in range(len(convos))]
-        on = [float(np.median(ms["on"][c][t])) for c in range(len(convos))]
+    for t in range(turns):
+        off = float(np.mean([np.median(ms["off"][c][t]) for c in range(len(convos))]))
+        on = float(np.mean([np.median(ms["on"][c][t]) for c in range(len(convos))]))
         rows.append({"turn": t + 1, "prompt_tokens": float(np.mean([len(cv[t]) for cv in convos])),
                      "cached_tokens": float(np.mean([cached[(c, t)] for c in range(len(convos))])),
-                     "ttft_off_ms": round(float(np.mean(off)), 2), "ttft_on_ms": round(float(np.mean(on)), 2),
-                     "off_over_on": round(float(np.mean(off)) / float(np.mean(on)), 3)})
+                     "ttft_off_ms": round(off, 2), "ttft_on_ms": round(on, 2), "off_over_on": round(off / on, 3)})
     tot_off, tot_on = sum(r["ttft_off_ms"] for r in rows), sum(r["ttft_on_ms"] for r in rows)
-    return {"checkpoint": a.checkpoint, "backend": jax.default_backend(),
-            "conversations": len(convos), "turns": a.turns, "first_len": a.first_len, "answer_len": a.answer_len,
-            "message_len": a.message_len, "rounds": a.rounds, "per_turn": rows,
-            "total_ttft_off_ms": round(tot_off, 2), "total_ttft_on_ms": round(tot_on, 2),
+    return {"backend": jax.default_backend(), "conversations": len(convos), "turns": turns, "first_len": first_len,
+            "answer_len": answer_len, "message_len": message_len, "rounds": rounds, "max_len": max_len,
+            "per_turn": rows, "total_ttft_off_ms": round(tot_off, 2), "total_ttft_on_ms": round(tot_on, 2),
             "total_off_over_on": round(tot_off / tot_on, 3), "first_token_mismatches": mismatches}
 
 
@@ -136,7 +132,19 @@ def main(argv=None) -> int:
     for name in ("conversations", "turns", "first_len", "answer_len", "message_len", "rounds"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(a, name)}")
-    res = run(a)
+    import generate as gen
+
+    from jdspark import workloads
+
+    target, drafter, note = gen.load_pair(a.checkpoint)
+    print(f"[bench_prefix] {note}", file=sys.stderr)
+    try:
+        res = measure(target, drafter, workloads.documents("code"), gen.load_tokenizer(a.checkpoint, target.config),
+                      conversations=a.conversations, turns=a.turns, first_len=a.first_len, answer_len=a.answer_len,
+                      message_len=a.message_len, rounds=a.rounds)
+    except ValueError as e:
+        ap.error(str(e))
+    res["checkpoint"] = a.checkpoint
     if a.json:
         print(json.dumps(res))
     else:

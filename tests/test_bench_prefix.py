@@ -1,0 +1,36 @@
+"""scripts/bench_prefix.py on a tiny random pair: a conversation's turns timed with and without the prefix cache,
+the later turns served from the kept previous turn, both ways giving the same first token."""
+
+import json
+import os
+import sys
+
+import pytest
+from flax import nnx
+
+import jdspark
+import kimi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_prefix  # noqa: E402
+
+
+def test_turns_timed_both_ways():
+    cfg = kimi.KimiConfig.tiny()
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
+    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
+                                    rngs=nnx.Rngs(1))
+    docs = [open(os.path.join(ROOT, "jdspark", f), "rb").read() for f in ("prefix.py", "engine.py", "slots.py")]
+    kw = dict(conversations=1, turns=3, first_len=20, answer_len=6, message_len=6, rounds=1, buckets=(16, 64),
+              max_len=128)
+    res = bench_prefix.measure(target, drafter, docs, **kw)
+    assert [(r["turn"], r["prompt_tokens"], r["cached_tokens"]) for r in res["per_turn"]] == [
+        (1, 20, 0), (2, 32, 20), (3, 44, 32)]
+    assert all(r["ttft_off_ms"] > 0 and r["ttft_on_ms"] > 0 for r in res["per_turn"])
+    assert res["first_token_mismatches"] == []
+    assert res["total_off_over_on"] == pytest.approx(res["total_ttft_off_ms"] / res["total_ttft_on_ms"], rel=1e-3)
+    json.dumps(res)
+    with pytest.raises(ValueError, match="largest prompt bucket"):
+        bench_prefix.measure(target, drafter, docs, **{**kw, "turns": 5})
