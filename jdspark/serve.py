@@ -8,10 +8,11 @@ has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``GET /hea
 program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
 decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
 ``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
-took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an
-unknown model, 429 when the waiting queue is full, 503 before the engine is ready); a request field this server
-does not implement (``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400
-naming it unless it has the value that asks for nothing. A client that disconnects frees its slot.
+took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
+``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
+queue is full, 503 before the engine is ready); a request field this server does not implement (``n`` > 1,
+``logprobs``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value
+that asks for nothing. A client that disconnects frees its slot.
 """
 
 from __future__ import annotations
