@@ -81,3 +81,23 @@ def test_a_long_prompt_without_a_kept_prefix_is_refused_by_name(pair, backend): 
     with pytest.raises(ValueError, match="begins with no prompt the prefix cache keeps"):
         backend.insert(0, SamplingRequest(tuple([1] + [5] * 70), 4))
     assert len(backend.prefix) == 0
+
+
+def test_a_plain_backend_extends_too(pair):  # noqa: F811
+    """Without a drafter (``--spec off``) a hit extends the target's caches alone: the second prompt's tokens equal
+    plain batch-1 decoding of the whole prompt."""
+    target, _, _ = pair
+    be = SlotBackend(target, None, num_slots=1, max_len=96, prompt_buckets=(16, 32), prefix_pool=1,
+                     prefix_min_tokens=8)
+    rng = np.random.default_rng(4)
+    first = [1] + rng.integers(3, target.config.vocab_size, 20).tolist()
+    second = first + rng.integers(3, target.config.vocab_size, 20).tolist()
+    for prompt, cached in ((first, 0), (second, len(first))):
+        out = be.insert(0, SamplingRequest(tuple(prompt), 12))
+        assert out.cached == cached
+        toks = list(out.tokens)
+        while len(toks) < 12:
+            toks += be.step([0])[0].tokens
+        be.free(0)
+        ref = jdspark.generate(target, None, np.array(prompt), max_new_tokens=12, eos_token_id=-1)
+        assert toks[:12] == list(ref.tokens)
