@@ -90,7 +90,7 @@ class HttpClient:
         if mode != "off":
             body["spec_mode"] = mode
         t0 = time.perf_counter()
-        chunks, usage = [], None
+        chunks, usage, text = [], None, []
         with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
@@ -102,10 +102,12 @@ class HttpClient:
                     usage = c["usage"]
                 if c["choices"] and c["choices"][0].get("text"):
                     chunks.append(time.perf_counter() - t0)
+                    text.append(c["choices"][0]["text"])
         e2e = time.perf_counter() - t0
         if usage is None:
             raise RuntimeError("the stream ended without usage")
-        return {"chunks": chunks, "e2e": e2e, "tokens": usage["completion_tokens"]}
+        return {"chunks": chunks, "e2e": e2e, "tokens": usage["completion_tokens"], "text": "".join(text),
+                "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
 
     def metrics_text(self) -> str:
         import httpx
@@ -138,12 +140,13 @@ class EngineClient:
 
         from jdspark.engine import Request, SamplingRequest
 
-        done, chunks, usage = threading.Event(), [], {}
+        done, chunks, usage, text = threading.Event(), [], {}, []
         t0 = time.perf_counter()
 
         def on_event(ev):
             if ev.text:
                 chunks.append(time.perf_counter() - t0)
+                text.append(ev.text)
             if ev.finish_reason is not None:
                 usage.update(ev.usage or {}, error=ev.error)
                 done.set()
@@ -155,7 +158,8 @@ class EngineClient:
             raise RuntimeError("an in-process request did not finish within 600 s")
         if usage.get("error") or "completion_tokens" not in usage:
             raise RuntimeError(f"an in-process request failed: {usage}")
-        return {"chunks": chunks, "e2e": time.perf_counter() - t0, "tokens": usage["completion_tokens"]}
+        return {"chunks": chunks, "e2e": time.perf_counter() - t0, "tokens": usage["completion_tokens"],
+                "text": "".join(text), "cached": usage["prompt_tokens_details"]["cached_tokens"]}
 
     def metrics_text(self) -> str:
         return self.metrics.exposition().decode()
@@ -209,14 +213,37 @@ def summarize(cells) -> list:
     return out
 
 
+def conversation(client, prompt, messages, encode, max_tokens: int, temperature: float, seed: int,
+                 mode: str) -> list:
+    """One client's conversation (``--turns``): turn t's prompt is turn t - 1's + its answer (the streamed text,
+    encoded again) + ``messages[t - 1]``, as a chat client or a coding agent sends it. One result per turn, each
+    with its ``turn`` and ``prompt_tokens``."""
+    out = []
+    for t in range(len(messages) + 1):
+        r = client.request(prompt, max_tokens, temperature, seed + 7919 * t, mode)
+        out.append({**r, "turn": t, "prompt_tokens": len(prompt)})
+        if t < len(messages):
+            prompt = list(prompt) + list(encode(r["text"])) + list(messages[t])
+    return out
+
+
 def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
-             requests: int) -> dict:
-    """One cell through ``client`` (``HttpClient`` or ``EngineClient``)."""
+             requests: int, messages=None, encode=None) -> dict:
+    """One cell through ``client`` (``HttpClient`` or ``EngineClient``). With ``messages`` (a list of turns' new
+    messages, token ids) each of the ``requests`` is a conversation of len(messages) + 1 turns (``conversation``;
+    ``encode``: text -> token ids, no BOS) and the cell adds each turn's TTFT p50 and the share of prompt tokens the
+    server's prefix cache served (``usage.prompt_tokens_details.cached_tokens``)."""
     before = scrape(client.metrics_text())
     t0 = time.perf_counter()
+
+    def one(i):
+        if messages is None:
+            return [client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i, mode)]
+        return conversation(client, prompts[i % len(prompts)], messages, encode, max_tokens, temperature,
+                            1000 + i, mode)
+
     with cf.ThreadPoolExecutor(concurrency) as ex:
-        res = list(ex.map(lambda i: client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i,
-                                                   mode), range(requests)))
+        res = [r for rs in ex.map(one, range(requests)) for r in rs]
     wall = time.perf_counter() - t0
     metrics_after = client.metrics_text()
     after = scrape(metrics_after)
@@ -231,8 +258,16 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
         itl += [g / per for g in np.diff(r["chunks"])] if n_chunks > 1 and per > 0 else []
     drafts = d["vllm:spec_decode_num_drafts_total"]
     vcount = d["jdspark:verified_tokens_per_step_count"]
+    turns = {}
+    if messages is not None:
+        for t in range(len(messages) + 1):
+            rs = [r for r in res if r["turn"] == t]
+            turns = {"turns": len(messages) + 1, **turns}
+            turns.setdefault("ttft_ms_p50_by_turn", []).append(_stats_ms([r["chunks"][0] for r in rs
+                                                                          if r["chunks"]])["p50"])
+        turns["cached_share"] = sum(r["cached"] for r in res) / sum(r["prompt_tokens"] for r in res)
     return {"mode": mode, "concurrency": concurrency, "temperature": temperature, "requests": requests,
-            "max_tokens": max_tokens, "output_tok_s": tokens / wall,
+            **turns, "max_tokens": max_tokens, "output_tok_s": tokens / wall,
             "per_user_tok_s": float(np.mean([r["tokens"] / r["e2e"] for r in res])),
             "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
             "accept_len": 1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0,
@@ -300,13 +335,34 @@ def load_prompts(checkpoint: str, n: int, prompt_len: int, workload: str = "code
                      "prompt_len": prompt_len}
 
 
-def launch_args(prompt_len: int, max_tokens: int) -> list:
+def load_encoder(checkpoint: str):
+    """text -> token ids (no BOS) by the checkpoint's tokenizer: a conversation's answer, sent back in its next
+    turn's prompt."""
+    import generate as gen
+
+    import kimi
+
+    tok = gen.load_tokenizer(checkpoint, kimi.KimiConfig.from_hf_config(os.path.join(checkpoint, "target")))
+    return lambda text: tok.encode(text, bos=False)
+
+
+def launch_args(prompt_len: int, max_tokens: int, turns: int = 1, message_len: int = 0) -> list:
     """The server flags a launched run sizes by its traffic, as an operator would: one prompt bucket that holds
     the prompts, and slot caches of the prompt + completion + a verify block (16 covers the drafter's), rounded
-    up to 64 positions (a slot's state is copied on every step it runs, so an oversized cache costs time)."""
-    bucket = -(-int(prompt_len) // 64) * 64
-    max_len = -(-(bucket + int(max_tokens) + 16) // 64) * 64
-    return ["--prompt-buckets", str(bucket), "--max-len", str(max_len)]
+    up to 64 positions (a slot's state is copied on every step it runs, so an oversized cache costs time). With
+    ``turns`` > 1 (conversations): buckets for the first prompt, for a turn's new tokens (an answer, encoded again,
+    + a message: what a prefix-cache hit prefills; 16 tokens of slack for the encoding) and for the last turn's
+    whole prompt (what a server without the cache prefills), and caches that hold the last turn's answer."""
+    def up(n):
+        return -(-int(n) // 64) * 64
+
+    if turns <= 1:
+        bucket = up(prompt_len)
+        return ["--prompt-buckets", str(bucket), "--max-len", str(up(bucket + int(max_tokens) + 16))]
+    step = int(max_tokens) + int(message_len) + 16
+    last = up(int(prompt_len) + (turns - 1) * step)
+    buckets = sorted({up(prompt_len), up(step), last})
+    return ["--prompt-buckets", ",".join(map(str, buckets)), "--max-len", str(up(last + int(max_tokens) + 16))]
 
 
 def launch(checkpoint: str, port: int, slots: int, timeout: float = 900.0, extra=()):
@@ -353,6 +409,12 @@ def main(argv=None) -> int:
     src.add_argument("--corpus", metavar="DIR", help="cut the prompts from every text file under DIR instead")
     src.add_argument("--prompt-file", metavar="PATH", help="your own traffic: JSON Lines, one {\"prompt\": "
                      "\"text\" or [token ids]} per line, every line sent (--prompts and --prompt-len unused)")
+    ap.add_argument("--turns", type=int, default=1,
+                    help="conversations: each request becomes N turns, turn t's prompt turn t - 1's + its answer + "
+                         "a --message-len message (held-out code), as chat clients and coding agents send them; "
+                         "cells add each turn's TTFT and the share of prompt tokens the prefix cache served (compare "
+                         "--server-args \"--prefix-pool 0\")")
+    ap.add_argument("--message-len", type=int, default=48, help="tokens of each turn's new message (--turns > 1)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="runs of each cell; the modes of a concurrency alternate round by round, the median counts")
     ap.add_argument("--server-args", default="", help="more `python -m jdspark.serve` flags for --launch and "
@@ -362,6 +424,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1:
         ap.error(f"--rounds: expected >= 1, got {a.rounds}")
+    if a.turns < 1 or a.message_len < 1:
+        ap.error(f"--turns, --message-len: expected >= 1, got {a.turns}, {a.message_len}")
     modes = a.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}")
@@ -374,7 +438,12 @@ def main(argv=None) -> int:
         prompts, source = load_prompts(a.checkpoint, a.prompts, a.prompt_len, a.workload, a.corpus, a.prompt_file)
     except ValueError as e:
         ap.error(str(e))
-    sized = launch_args(max(map(len, prompts)), a.max_tokens)
+    messages = encode = None
+    if a.turns > 1:
+        msgs, _ = load_prompts(a.checkpoint, a.turns - 1, a.message_len + 1, "code")
+        messages = [m[1:] for m in msgs]  # no BOS inside a conversation
+        encode = load_encoder(a.checkpoint)
+    sized = launch_args(max(map(len, prompts)), a.max_tokens, a.turns, a.message_len)
     proc = None
     if a.launch:
         proc, url = launch(a.checkpoint, a.port, a.slots, extra=sized + server_args)
@@ -392,12 +461,16 @@ def main(argv=None) -> int:
                 rounds = {m: [] for m in modes}
                 for r in range(a.rounds):  # the modes of one concurrency side by side, round after round,
                     for mode in (modes if r % 2 == 0 else modes[::-1]):  # in turn forward and backward (ABBA)
-                        cell = run_cell(client, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c))
+                        cell = run_cell(client, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c),
+                                        messages, encode)
                         rounds[mode].append(cell)
                         print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "
                               f"tok/s total, {cell['per_user_tok_s']:6.1f} per user, accept_len "
                               f"{cell['accept_len']:.2f}, verified/slot/step {cell['verified_per_slot_step']}, "
-                              f"step ms by width {cell['step_cost_ms']}", file=sys.stderr, flush=True)
+                              f"step ms by width {cell['step_cost_ms']}"
+                              + (f", TTFT p50 by turn {cell['ttft_ms_p50_by_turn']}, cached share "
+                                 f"{cell['cached_share']:.2f}" if messages is not None else ""),
+                              file=sys.stderr, flush=True)
                 cells += [median_cell(rounds[m]) for m in modes]
     finally:
         client.close()

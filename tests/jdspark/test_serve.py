@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text
 
 
@@ -261,6 +262,14 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
         want = {str(w): 1e3 * soak_srv.backend.costs[(b, w)] for (b, w) in soak_srv.backend.costs
                 if b == (1 if cell["concurrency"] == 1 else soak_srv.backend.num_slots)}
         assert cell["step_cost_ms"] == pytest.approx(want) and len(want) == 2
+    # conversations (--turns 3): each turn's prompt is the last one + its answer (9 ASCII bytes from the scripted
+    # backend, encoded again) + a message (ASCII throughout); the scripted backend says half of each prompt was cached
+    enc = ByteTokenizer().encode
+    for client in clients:
+        cell = bench_serve.run_cell(client, prompts, "fixed", 2, 0.0, 9, 2, messages=[[65, 66], [67]],
+                                    encode=lambda text: enc(text, bos=False))
+        assert cell["turns"] == 3 and len(cell["ttft_ms_p50_by_turn"]) == 3 and cell["requests"] == 2
+        assert cell["cached_share"] == pytest.approx((1 + 6 + 11) / (2 + 13 + 23))  # prompts of 2, 13, 23 tokens
     med = bench_serve.median_cell([dict(cells[0], output_tok_s=v, tag=i) for i, v in enumerate((3.0, 1.0, 2.0, 9.0))])
     assert med["tag"] == 2 and med["rounds"] == 4 and med["output_tok_s_rounds"] == [3.0, 1.0, 2.0, 9.0]
     bench_serve.plot(cells, str(tmp_path / "serve.png"))
@@ -306,6 +315,8 @@ def test_bench_serve_sizes_a_launched_server_by_its_traffic():
 
     assert bench_serve.launch_args(128, 128) == ["--prompt-buckets", "128", "--max-len", "320"]
     assert bench_serve.launch_args(100, 50) == ["--prompt-buckets", "128", "--max-len", "256"]
+    # conversations of 4 turns: the first prompt, a turn's new tokens (answer + message + slack), the last prompt
+    assert bench_serve.launch_args(128, 128, 4, 48) == ["--prompt-buckets", "128,192,704", "--max-len", "896"]
 
 
 def test_bench_serve_prompt_sources(tmp_path, capsys):
