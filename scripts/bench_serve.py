@@ -5,6 +5,7 @@
   python scripts/bench_serve.py --in-process --json --concurrency 1,16   # the same engine, no HTTP: HTTP's cost
   python scripts/bench_serve.py --launch --json --workload prose         # or --corpus DIR, as scripts/bench.py
   python scripts/bench_serve.py --launch --json --prompt-file mine.jsonl # your own traffic: {"prompt": ...} lines
+  python scripts/bench_serve.py --launch --json --turns 4                # conversations (prefix caching's traffic)
 
 Each cell runs ``--requests`` streamed completions of the prompts (held-out code by default; ``load_prompts``; the
 JSON's ``prompts`` says which) as token ids (``ignore_eos``, a fixed ``--max-tokens``, fixed seeds) from
@@ -24,6 +25,9 @@ fixed does, came out 10% apart either way), hence 5 rounds and at least 8 reques
 loopback or the given ``--url`` is contacted; every loop is bounded. ``--in-process`` builds the engine ``--launch``
 would serve (``jdspark.serve.make_engine`` on the same arguments) in this process and submits the same requests
 to it directly: its cells against ``--launch``'s are what the HTTP layer (and its clients on the same cores) cost.
+``--turns N``: each request becomes a conversation of N turns (``conversation``: turn t's prompt is turn t - 1's +
+its answer + a ``--message-len`` excerpt of held-out code), as chat clients and coding agents send them; cells add
+``ttft_ms_p50_by_turn`` and ``cached_share`` (prompt tokens the server's prefix cache served, from ``usage``).
 """
 
 from __future__ import annotations
