@@ -101,3 +101,24 @@ def test_a_plain_backend_extends_too(pair):  # noqa: F811
         be.free(0)
         ref = jdspark.generate(target, None, np.array(prompt), max_new_tokens=12, eos_token_id=-1)
         assert toks[:12] == list(ref.tokens)
+
+
+def test_a_chat_s_next_turn_begins_with_its_last_prompt():
+    """What makes chat traffic hit the cache: with the shipped tokenizer and chat template, the server's ids of a
+    conversation's next turn begin with the ids of its previous turn's prompt (the template closes each message
+    with a special token, so the encoding of what came before never changes), whatever the answer's text."""
+    import kimi
+    from jdspark.serve import parse_completion
+
+    tok = kimi.load_tokenizer("checkpoints/default/target", vocab_size=4096)
+
+    def ids(messages):
+        sp = parse_completion({"messages": messages, "max_tokens": 1}, tokenizer=tok, vocab_size=4096,
+                              max_context=10 ** 6, model_name="m", chat=True)[0]
+        return list(sp.prompt_ids)
+
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
+    for answer in ("    return n if n < 2 else fib(n - 1) + fib(n - 2)\n", "  x = 'é'  ", "", "<|im_end|> text"):
+        first = ids(msgs)
+        nxt = ids(msgs + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and now?"}])
+        assert len(nxt) > len(first) and nxt[:len(first)] == first, answer
