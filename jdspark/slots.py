@@ -543,11 +543,19 @@ class SlotBackend:
         Returns the table {(batch, width): seconds}. The programs are compiled ahead of time first, several at
         once (``compile_all``); the runs below then find them compiled."""
         self.compile_all()
+        bos = self.cfg.bos_token_id
+        kept, self.prefix = self.prefix, None  # each bucket's own insert runs (a longer all-BOS prompt would hit)
         for P in self.prompt_buckets:
-            self.insert(0, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1))
+            self.insert(0, SamplingRequest(tuple([bos] * P), 1))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
-                self._prefill(0, np.full((1, P), self.cfg.bos_token_id, np.int32), P, 0, 0.0, 0, 1.0,
+                self._prefill(0, np.full((1, P), bos, np.int32), P, 0, 0.0, 0, 1.0,
                               jnp.zeros((P, self.cfg.hidden_size), jnp.float32), None)
+        self.prefix = kept
+        if kept is not None:  # the copy into the pool and each bucket's extension, on a kept 1-token prompt
+            self.insert(0, SamplingRequest((bos,), 1))
+            self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(0))
+            for P in self.prompt_buckets:
+                self._extend(0, 0, np.full((1, P), bos, np.int32), 1, 0, 0.0, 0, 1.0)
         timings = CostTable()
         for b in self.batch_buckets:
             for w in self.widths:

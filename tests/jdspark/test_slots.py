@@ -385,12 +385,17 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     """``compile_all`` compiles every program a backend serves ahead of time, two at a time; ``warm_up`` then runs
     each of them without one more compile (no compile request reaches XLA or the persistent cache): the ahead-of-
     time arguments and a launch's are built in one place and name the same programs. A backend of a shape no other
-    test builds (12 slots, caches of 96), so its programs are new to this process."""
+    test builds (12 slots, caches of 96), so its programs are new to this process. With prefix caching: each
+    bucket's insert, extension and the copy into the pool run in warm-up too (the jitted calls' caches do not grow
+    when requests of either bucket and a prefix-cache hit are served after), and warm-up keeps no prompt."""
     from jax import monitoring
 
+    from jdspark import prefix
+    from jdspark.slots import _insert
+
     target, drafter, _ = pair
-    be = SlotBackend(target, drafter, num_slots=12, max_len=96, prompt_buckets=(16,), batch_buckets=(12,),
-                     widths=(1, drafter.config.block_size + 1))
+    be = SlotBackend(target, drafter, num_slots=12, max_len=96, prompt_buckets=(16, 32), batch_buckets=(12,),
+                     widths=(1, drafter.config.block_size + 1), prefix_pool=3, prefix_min_tokens=8)
     events = []
     compiles = {"/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/compile_requests_use_cache"}
 
@@ -401,15 +406,22 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     monitoring.register_event_listener(on_event)
     monitoring.register_event_duration_secs_listener(on_event)
     try:
-        assert len(be.programs()) == 4  # the insert; width 1 twice (without and with the drafter's context); G + 1
-        assert be.compile_all(threads=2) == 4
+        # 2 inserts and 2 extensions; the snapshot; width 1 twice (without and with the drafter's context); G + 1
+        assert len(be.programs()) == 8
+        assert be.compile_all(threads=2) == 8
         # a compile request per program: through the persistent cache where it is on (tests/conftest.py), else
         # straight to XLA
         req = "/jax/compilation_cache/compile_requests_use_cache"
-        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 4
+        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 8
         del events[:]
         be.warm_up()
-        assert events == []
+        assert events == [] and len(be.prefix) == 0
+        sizes = [f._cache_size() for f in (_insert, prefix.extend, prefix.snapshot)]
+        a, b = tuple(range(3, 13)), tuple(range(60, 90))
+        for ids in (a, b, a + tuple(range(20, 40)), b + (50,)):  # buckets 16 and 32, then their extensions
+            be.insert(0, SamplingRequest(ids, 4))
+        assert be.prefix.hits == len(a) + len(b)
+        assert [f._cache_size() for f in (_insert, prefix.extend, prefix.snapshot)] == sizes and events == []
     finally:
         monitoring.unregister_event_listener(on_event)
         monitoring.unregister_event_duration_listener(on_event)
