@@ -264,12 +264,11 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
     vcount = d["jdspark:verified_tokens_per_step_count"]
     turns = {}
     if messages is not None:
-        for t in range(len(messages) + 1):
-            rs = [r for r in res if r["turn"] == t]
-            turns = {"turns": len(messages) + 1, **turns}
-            turns.setdefault("ttft_ms_p50_by_turn", []).append(_stats_ms([r["chunks"][0] for r in rs
-                                                                          if r["chunks"]])["p50"])
-        turns["cached_share"] = sum(r["cached"] for r in res) / sum(r["prompt_tokens"] for r in res)
+        n = len(messages) + 1
+        turns = {"turns": n, "ttft_ms_p50_by_turn": [_stats_ms([r["chunks"][0] for r in res
+                                                                 if r["turn"] == t and r["chunks"]])["p50"]
+                                                      for t in range(n)],
+                 "cached_share": sum(r["cached"] for r in res) / sum(r["prompt_tokens"] for r in res)}
     return {"mode": mode, "concurrency": concurrency, "temperature": temperature, "requests": requests,
             **turns, "max_tokens": max_tokens, "output_tok_s": tokens / wall,
             "per_user_tok_s": float(np.mean([r["tokens"] / r["e2e"] for r in res])),
