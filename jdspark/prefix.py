@@ -30,6 +30,7 @@ import functools
 from typing import Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from jdspark.graphs import merge_module
 from jdspark.sampling import SamplingParams
@@ -96,7 +97,7 @@ class PrefixPool:
 
 def pool_like(state, capacity: int):
     """Device rows for ``capacity`` kept prompts, shaped as the slots' state (leading axis ``capacity``)."""
-    return jax.tree.map(lambda s: jax.numpy.zeros((capacity,) + s.shape[1:], s.dtype), state)
+    return jax.tree.map(lambda s: jnp.zeros((capacity,) + s.shape[1:], s.dtype), state)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
