@@ -36,10 +36,20 @@ from jdspark.graphs import merge_module
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import extend_stream
 
-__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "pool_like", "snapshot", "extend"]
+__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "default_pool_rows", "pool_like", "snapshot", "extend"]
 
 # Prompts shorter than this are not kept: their prefill is a few ms, a kept row is a slot's whole cache.
 PREFIX_MIN_TOKENS = 32
+# The server's default pool (``--prefix-pool`` unset): this many rows, fewer where they would take more than
+# PREFIX_POOL_BUDGET_BYTES (a row is a slot's whole state: ~1.4 MiB for the shipped pair at 1024 positions, ~117
+# MiB of MLA latents alone at 128K), at least one.
+PREFIX_POOL_ROWS = 32
+PREFIX_POOL_BUDGET_BYTES = 512 << 20
+
+
+def default_pool_rows(row_bytes: int) -> int:
+    """Rows of the default pool for rows of ``row_bytes`` each (see PREFIX_POOL_BUDGET_BYTES)."""
+    return max(1, min(PREFIX_POOL_ROWS, PREFIX_POOL_BUDGET_BYTES // max(1, int(row_bytes))))
 
 
 class PrefixPool:

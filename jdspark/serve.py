@@ -385,10 +385,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
                          "of them; default: the checkpoint's (the shipped drafter's: 64, from which it accepts "
                          "more than from a longer context, docs/performance.md)")
-    ap.add_argument("--prefix-pool", type=int, default=32,
+    ap.add_argument("--prefix-pool", type=int, default=None,
                     help="prefix caching: keep the caches after up to N prompts (~1.4 MiB each for the shipped pair "
                          "at --max-len 1024); a prompt that begins with a kept one prefills only the rest, and may "
-                         "then be longer than the largest prompt bucket (jdspark.prefix); 0: off")
+                         "then be longer than the largest prompt bucket (jdspark.prefix); 0: off; default: 32, fewer "
+                         "where they would take more than 512 MiB (jdspark.prefix.default_pool_rows)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -398,7 +399,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
     if a.multi_step_max_batch < 0:
         ap.error(f"--multi-step-max-batch: expected an int >= 0 (0: every batch bucket), got {a.multi_step_max_batch}")
-    if a.prefix_pool < 0:
+    if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
@@ -435,6 +436,10 @@ def main(argv=None) -> int:
     def warm():
         t0 = time.perf_counter()
         print(f"[serve] compiling {len(backend.programs())} programs, several at a time", file=sys.stderr, flush=True)
+        if backend.prefix is not None:
+            mib = sum(x.nbytes for x in jax.tree.leaves(backend.pool)) / 2**20
+            print(f"[serve] prefix cache: up to {backend.prefix.capacity} prompts kept ({mib:.0f} MiB)",
+                  file=sys.stderr, flush=True)
         try:
             backend.warm_up()
         except Exception as e:  # a server that can never be ready exits saying why (not 503 for ever)

@@ -47,7 +47,7 @@ import numpy as np
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.graphs import merge_module, split_module
-from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, extend, pool_like, snapshot
+from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
 from kimi import dispatch
@@ -185,7 +185,7 @@ class SlotBackend:
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
-                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: int = 0,
+                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
@@ -218,6 +218,9 @@ class SlotBackend:
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
+        # (None: as many as ``prefix.default_pool_rows`` allows for rows of this state's size; 0: off)
+        if prefix_pool is None:
+            prefix_pool = default_pool_rows(sum(x.nbytes for x in jax.tree.leaves(self.state)) // self.num_slots)
         self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap

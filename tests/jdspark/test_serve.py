@@ -418,6 +418,12 @@ def test_multi_step_and_prefix_flags_reach_the_slots():
     _, backend, *_ = serve.make_engine(a)
     assert (backend.steps_for(1), backend.steps_for(2)) == (3, 1)
     assert backend.prefix.capacity == 32  # prefix caching is on by default; --prefix-pool 0 turns it off
+    # the default pool stays within its budget where a row is large: 1 row at least, 32 at most
+    from jdspark.prefix import PREFIX_POOL_BUDGET_BYTES, default_pool_rows
+
+    assert [default_pool_rows(b) for b in (1 << 20, PREFIX_POOL_BUDGET_BYTES // 5, 2 * PREFIX_POOL_BUDGET_BYTES)] == [
+        32, 5, 1]
+    assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "3"]))[1].prefix.capacity == 3
     assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "0"]))[1].prefix is None
     with pytest.raises(SystemExit):
         serve.parse_args(["--prefix-pool", "-1"])
