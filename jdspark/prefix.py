@@ -14,9 +14,9 @@ tokens of its last draft block past the request's end (which the client never sa
 hybrid (Mamba-style) models keeps states at block boundaries for the same reason.
 
     lookup(prompt): the longest kept prompt p with prompt[:len(p)] == p and len(p) < len(prompt)   (host, LRU)
-    hit:  state[slot] <- extend_stream(pool[row], prompt[len(p):])    one chunk on the kept state (``_extend``)
+    hit:  state[slot] <- extend_stream(pool[row], prompt[len(p):])    one chunk on the kept state (``extend``)
     miss: the slot's ordinary insert (``jdspark.slots``)
-    then: pool[row'] <- state[slot] for the new prompt (``_snapshot``), unless it is shorter than ``min_tokens``
+    then: pool[row'] <- state[slot] for the new prompt (``snapshot``), unless it is shorter than ``min_tokens``
 
 A hit's output equals a fresh prefill's up to float reassociation (the chunked prefill's form); the sampled first
 token is drawn with the request's own key, as a fresh prefill's is. Requests with images are neither looked up nor
@@ -36,7 +36,7 @@ from jdspark.graphs import merge_module
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import extend_stream
 
-__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "default_pool_rows", "pool_like", "snapshot", "extend"]
+__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "default_pool_rows", "tree_bytes", "pool_like", "snapshot", "extend"]
 
 # Prompts shorter than this are not kept: their prefill is a few ms, a kept row is a slot's whole cache.
 PREFIX_MIN_TOKENS = 32
@@ -103,6 +103,11 @@ class PrefixPool:
 
     def clear(self) -> None:
         self.rows.clear()
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array in ``tree`` (a pool's, or the slots' state)."""
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
 
 
 def pool_like(state, capacity: int):

@@ -36,6 +36,7 @@ import kimi
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
+from jdspark.prefix import tree_bytes
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 from jdspark.serve_metrics import ServeMetrics
 from jdspark.slots import SlotBackend, multi_step_plan
@@ -437,7 +438,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         print(f"[serve] compiling {len(backend.programs())} programs, several at a time", file=sys.stderr, flush=True)
         if backend.prefix is not None:
-            mib = sum(x.nbytes for x in jax.tree.leaves(backend.pool)) / 2**20
+            mib = tree_bytes(backend.pool) / 2**20
             print(f"[serve] prefix cache: up to {backend.prefix.capacity} prompts kept ({mib:.0f} MiB)",
                   file=sys.stderr, flush=True)
         try:

@@ -47,7 +47,7 @@ import numpy as np
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.graphs import merge_module, split_module
-from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot
+from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
 from kimi import dispatch
@@ -220,7 +220,7 @@ class SlotBackend:
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
         # (None: as many as ``prefix.default_pool_rows`` allows for rows of this state's size; 0: off)
         if prefix_pool is None:
-            prefix_pool = default_pool_rows(sum(x.nbytes for x in jax.tree.leaves(self.state)) // self.num_slots)
+            prefix_pool = default_pool_rows(tree_bytes(self.state) // self.num_slots)
         self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
