@@ -112,6 +112,12 @@ class Request:
                 else 0.0}
 
 
+def _stop_at(req: Request) -> int:
+    """Where the first of ``req.stop`` begins in its text, searched from the last characters already sent that a
+    stop string could still end in; -1 where none does."""
+    return min((j for j in (req.text.find(x, max(0, req.sent - len(x))) for x in req.stop) if j >= 0), default=-1)
+
+
 class Engine:
     """The host loop over a ``Backend`` (see the module docstring). ``start()`` runs it in a daemon thread."""
 
@@ -176,21 +182,29 @@ class Engine:
     def _run(self) -> None:
         pending = None  # (handle, {slot: request}) of a launched step not yet committed (pipelined backends)
         pipelined = hasattr(self.backend, "launch") and hasattr(self.backend, "collect")
+        idle_pending = getattr(self.backend, "idle_pending", None)  # work for a backend while nothing runs
         try:
             while True:
                 with self._cv:
                     while not self._stop and not self.waiting and not any(self.slots) and pending is None:
+                        if idle_pending is not None and idle_pending():
+                            break
                         self._cv.wait()
                     if self._stop:
                         return
-                    self._free_cancelled()
+                    idle = not self.waiting and not any(self.slots) and pending is None
                     admit = []  # slots filled under the lock, prefilled outside it
-                    for s in range(len(self.slots)):
-                        if self.slots[s] is None and self.waiting:
-                            req = self.waiting.popleft()
-                            self.slots[s] = req
-                            admit.append((s, req))
-                    self._gauges()
+                    if not idle:
+                        self._free_cancelled()
+                        for s in range(len(self.slots)):
+                            if self.slots[s] is None and self.waiting:
+                                req = self.waiting.popleft()
+                                self.slots[s] = req
+                                admit.append((s, req))
+                        self._gauges()
+                if idle:  # every slot free, no request waiting: one unit of the backend's idle work
+                    self.backend.idle_step()
+                    continue
                 for s, req in admit:  # prefill outside the lock: submit() stays responsive
                     req.admitted_at = time.monotonic()
                     if self.metrics:
@@ -285,16 +299,16 @@ class Engine:
         if req.finished is not None or req.cancelled:
             return
         now = time.monotonic()
-        reason, take, used = None, [], []
+        reason, take, used, eos = None, [], [], False
         for out in outs:
             used.append(out)
             for t in out.tokens:
                 take.append(int(t))
+                if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
+                    reason, eos = "stop", True
+                    break
                 if len(req.output_ids) + len(take) >= req.sampling.max_tokens:
                     reason = "length"
-                    break
-                if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
-                    reason = "stop"
                     break
             if reason is not None:
                 break
@@ -304,15 +318,22 @@ class Engine:
             req.steps += len(used)
             req.drafted += sum(o.drafted for o in used)
             req.accepted += sum(o.accepted for o in used)
-        req.output_ids += take
-        req.text += req.decoder.add(take)
-        if reason is not None:
+        cut = -1
+        if req.stop:  # token by token: the tokens after the one that completes a stop string were never the
+            for i, t in enumerate(take):  # request's (usage counts what the client got)
+                req.text += req.decoder.add([t])
+                cut = _stop_at(req)
+                if cut >= 0:
+                    take = take[:i + 1]
+                    break
+        else:
+            req.text += req.decoder.add(take)
+        if reason is not None and cut < 0:
             req.text += req.decoder.flush()
-        if req.stop:
-            cut = min((i for i in (req.text.find(x, max(0, req.sent - len(x))) for x in req.stop) if i >= 0),
-                      default=-1)
-            if cut >= 0:
-                req.text, reason = req.text[:cut], "stop"
+            cut = _stop_at(req)
+        if cut >= 0:
+            req.text, reason = req.text[:cut], "stop"
+        req.output_ids += take
         # hold back a tail that could still become a stop string
         hold = 0 if reason is not None else max((len(x) - 1 for x in req.stop), default=0)
         upto = max(req.sent, len(req.text) - hold)
@@ -324,6 +345,9 @@ class Engine:
             req.first_token_at = now
         req.last_token_at = now
         if reason is not None:
+            keep = getattr(self.backend, "keep_answer", None)
+            if keep is not None and cut < 0:  # a stop string's cut: the client's text is not these ids
+                keep(req.sampling, req.output_ids[:-1] if eos else req.output_ids)  # before the caller hears
             self._finish(req, reason, delta, take)
         elif delta or take:
             req.on_event(Event(delta, take))

@@ -1,5 +1,5 @@
-"""NNX modules as jit arguments for the serving programs: a static, cheaply hashed graph plus a flat tuple of arrays
-(``jdspark.slots``, ``jdspark.prefix``)."""
+"""The serving programs' jit arguments and compile budget (``jdspark.slots``, ``jdspark.prefix``): NNX modules as a
+static, cheaply hashed graph plus a flat tuple of arrays, and the memory maps XLA:CPU's compiled programs hold."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from typing import Optional
 import jax
 from flax import nnx
 
-__all__ = ["StaticGraph", "split_module", "merge_module"]
+__all__ = ["StaticGraph", "split_module", "merge_module", "MAP_HEADROOM", "memory_maps", "check_map_budget"]
+
+# ``SlotBackend.compile_all`` on a CPU: memory maps kept free of the serving programs' estimate, for what else the
+# process maps (thread stacks, arrays, sockets, later compiles such as an image grid's vision tower). XLA:CPU maps
+# each fused kernel of a program on its own (code, constants and data: 3 maps a kernel), ~1000 maps a step program
+# of the shipped pair; the default server's 44 programs hold ~46k of Linux's default vm.max_map_count of 65530, and
+# a compile past the limit aborts the process inside LLVM ("Unable to allocate section memory").
+MAP_HEADROOM = 4096
 
 
 class StaticGraph:
@@ -41,3 +48,32 @@ def merge_module(graph: Optional[StaticGraph], leaves):
         return None
     g, tree = graph.obj
     return nnx.merge(g, jax.tree.unflatten(tree, leaves))
+
+
+def memory_maps() -> Optional[tuple]:
+    """(memory maps this process holds, the system's limit ``vm.max_map_count``), or None where ``/proc`` does not
+    say (not Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return used, limit
+
+
+def check_map_budget(remaining: int, per_program: int, used: int, limit: int) -> None:
+    """Raise before compiling ``remaining`` more programs of ``per_program`` memory maps each, where
+
+        used + remaining * per_program > limit - MAP_HEADROOM
+
+    (``memory_maps``; XLA:CPU maps each fused kernel on its own, see MAP_HEADROOM): past the limit the process
+    would abort inside LLVM part-way through start-up, naming nothing a user can change."""
+    need = used + remaining * max(per_program, 0)
+    if need > limit - MAP_HEADROOM:
+        raise RuntimeError(
+            f"compiling the serving programs needs about {need} memory maps ({remaining + 1} programs, ~{per_program} "
+            f"a program: XLA:CPU maps each fused kernel on its own; {used} held now), over this system's limit of "
+            f"{limit} (vm.max_map_count) less {MAP_HEADROOM} kept free: serve fewer programs (fewer --prompt-buckets, "
+            f"fewer --slots: a batch bucket per power of two) or raise the limit (sysctl -w vm.max_map_count=262144)")

@@ -8,8 +8,8 @@ for its new tokens (the previous answer and the new message), and its prompt may
 
 What is kept: the whole stream state of a slot right after its prompt's prefill (target cache: KDA and conv state,
 MLA latents; the drafter's context; in ``pool``, a pytree of the slots' own leaves with a leading axis of
-``capacity`` rows), keyed by the prompt's token ids. Only the state after a *prompt* is kept: Kimi's KDA layers are
-recurrent, so a state cannot be cut back to an earlier position, and a slot's state after its completion holds the
+``capacity`` rows), keyed by the prompt's token ids. A slot's state after its completion is not kept as it is:
+Kimi's KDA layers are recurrent, so a state cannot be cut back to an earlier position, and that state holds the
 tokens of its last draft block past the request's end (which the client never saw). vLLM's prefix caching of
 hybrid (Mamba-style) models keeps states at block boundaries for the same reason.
 
@@ -17,6 +17,14 @@ hybrid (Mamba-style) models keeps states at block boundaries for the same reason
     hit:  state[slot] <- extend_stream(pool[row], prompt[len(p):])    one chunk on the kept state (``extend``)
     miss: the slot's ordinary insert (``jdspark.slots``)
     then: pool[row'] <- state[slot] for the new prompt (``snapshot``), unless it is shorter than ``min_tokens``
+
+Answers, when the engine is idle: the next turn of a conversation is the prompt + its answer + a new message, so a
+finished request's prompt + answer (``remember``; the answer without an EOS that ended it: a chat template closes
+the turn its own way) is prefilled on the kept prompt, in the extension's buckets (an answer longer than the
+largest in chunks of it, each kept), while no request is running or waiting (``next_pending``, the newest first,
+at most ``PENDING_ANSWERS`` waiting: a burst's older answers are dropped). The next turn then prefills only its
+message. Idle time is otherwise unused (a chat user reads, an agent runs its tool); a request that arrives during
+such a prefill waits for it (one extension, ~20-50 ms for the shipped pair here).
 
 A hit's output equals a fresh prefill's up to float reassociation (the chunked prefill's form); the sampled first
 token is drawn with the request's own key, as a fresh prefill's is. Requests with images are neither looked up nor
@@ -36,7 +44,8 @@ from jdspark.graphs import merge_module
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import extend_stream
 
-__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "default_pool_rows", "tree_bytes", "pool_like", "snapshot", "extend"]
+__all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "PENDING_ANSWERS", "default_pool_rows", "tree_bytes", "pool_like",
+           "snapshot", "extend"]
 
 # Prompts shorter than this are not kept: their prefill is a few ms, a kept row is a slot's whole cache.
 PREFIX_MIN_TOKENS = 32
@@ -45,6 +54,8 @@ PREFIX_MIN_TOKENS = 32
 # MiB of MLA latents alone at 128K), at least one.
 PREFIX_POOL_ROWS = 32
 PREFIX_POOL_BUDGET_BYTES = 512 << 20
+# Finished requests' prompt + answer waiting to be kept while the engine is idle (``PrefixPool.remember``).
+PENDING_ANSWERS = 4
 
 
 def default_pool_rows(row_bytes: int) -> int:
@@ -63,6 +74,7 @@ class PrefixPool:
         self.capacity, self.min_tokens = int(capacity), int(min_tokens)
         self.rows: collections.OrderedDict = collections.OrderedDict()  # prompt ids (tuple) -> row, oldest first
         self.queries = self.hits = 0  # prompt tokens looked up, and those found kept (vLLM's counters' units)
+        self.pending: collections.deque = collections.deque(maxlen=PENDING_ANSWERS)  # newest last
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -73,6 +85,14 @@ class PrefixPool:
         caller's room for the rest), or None. A hit becomes most recent."""
         ids = tuple(int(t) for t in ids)
         self.queries += len(ids)
+        best = self._longest(ids, fits)
+        if best is None:
+            return None
+        self.hits += best[1]
+        return best
+
+    def _longest(self, ids: tuple, fits) -> Optional[tuple]:
+        """``lookup`` without the counters."""
         best = None
         for key, row in self.rows.items():
             n = len(key)
@@ -82,8 +102,33 @@ class PrefixPool:
         if best is None:
             return None
         self.rows.move_to_end(best[2])
-        self.hits += best[1]
         return best[0], best[1]
+
+    def remember(self, ids: Sequence[int]) -> None:
+        """A finished request's prompt + answer, to keep when the engine is idle (``next_pending``)."""
+        key = tuple(int(t) for t in ids)
+        if len(key) >= self.min_tokens and key not in self.rows:
+            self.pending.append(key)
+
+    def next_pending(self, chunk: Callable[[int, int], Optional[int]]) -> Optional[tuple]:
+        """(row, n, ids) for the newest remembered sequence: prefill ``ids[n:]`` on the kept prompt in ``row`` and
+        keep the result as ``ids`` (``store``). ``chunk(n, total)``: how many of the total - n tokens after a kept
+        prefix of n one prefill may take (None: none fits); where that is fewer than all, ``ids`` is the sequence
+        cut there and the whole one waits again (the next call continues from the kept cut). None when nothing is
+        remembered that begins with a kept prompt."""
+        while self.pending:
+            whole = self.pending.pop()
+            if whole in self.rows:
+                continue
+            hit = self._longest(whole, lambda n: chunk(n, len(whole)) is not None)
+            if hit is None:
+                continue
+            row, n = hit
+            take = chunk(n, len(whole))
+            if n + take < len(whole):
+                self.pending.append(whole)
+            return row, n, whole[:n + take]
+        return None
 
     def store(self, ids: Sequence[int]) -> Optional[int]:
         """The row to copy the state after prompt ``ids`` into (the least recently used one when all are taken),
@@ -103,6 +148,7 @@ class PrefixPool:
 
     def clear(self) -> None:
         self.rows.clear()
+        self.pending.clear()
 
 
 def tree_bytes(tree) -> int:

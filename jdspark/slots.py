@@ -46,7 +46,7 @@ import numpy as np
 
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
-from jdspark.graphs import merge_module, split_module
+from jdspark.graphs import check_map_budget, memory_maps, merge_module, split_module
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
@@ -65,46 +65,10 @@ EXPLORE_EVERY = 64
 # ``SlotBackend.compile_all``: at most this many programs compile at once (each compile holds its own XLA memory).
 COMPILE_THREADS = 8
 
-# ``SlotBackend.compile_all`` on a CPU: memory maps kept free of the serving programs' estimate, for what else the
-# process maps (thread stacks, arrays, sockets, later compiles such as an image grid's vision tower). XLA:CPU maps
-# each fused kernel of a program on its own (code, constants and data: 3 maps a kernel), ~1000 maps a step program
-# of the shipped pair; the default server's 44 programs hold ~46k of Linux's default vm.max_map_count of 65530, and
-# a compile past the limit aborts the process inside LLVM ("Unable to allocate section memory").
-MAP_HEADROOM = 4096
-
 # Multi-step launches (``multi_step`` > 1) at batch buckets up to this: at 4 rows a one-step launch cost 8.7 ms a
 # token against 5.5 in 4-step launches on the shipped pair; at 16 adaptive verification lost with them (it plans
 # once a launch), so larger buckets take one step a launch (docs/serving.md, "Multi-step scheduling").
 MULTI_STEP_MAX_BATCH = 4
-
-
-def memory_maps() -> Optional[tuple]:
-    """(memory maps this process holds, the system's limit ``vm.max_map_count``), or None where ``/proc`` does not
-    say (not Linux)."""
-    try:
-        with open("/proc/self/maps") as f:
-            used = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-    except (OSError, ValueError):
-        return None
-    return used, limit
-
-
-def check_map_budget(remaining: int, per_program: int, used: int, limit: int) -> None:
-    """Raise before compiling ``remaining`` more programs of ``per_program`` memory maps each, where
-
-        used + remaining * per_program > limit - MAP_HEADROOM
-
-    (``memory_maps``; XLA:CPU maps each fused kernel on its own, see MAP_HEADROOM): past the limit the process
-    would abort inside LLVM part-way through start-up, naming nothing a user can change."""
-    need = used + remaining * max(per_program, 0)
-    if need > limit - MAP_HEADROOM:
-        raise RuntimeError(
-            f"compiling the serving programs needs about {need} memory maps ({remaining + 1} programs, ~{per_program} "
-            f"a program: XLA:CPU maps each fused kernel on its own; {used} held now), over this system's limit of "
-            f"{limit} (vm.max_map_count) less {MAP_HEADROOM} kept free: serve fewer programs (fewer --prompt-buckets, "
-            f"fewer --slots: a batch bucket per power of two) or raise the limit (sysctl -w vm.max_map_count=262144)")
 
 
 def multi_step_plan(platform: str) -> tuple:
@@ -223,6 +187,7 @@ class SlotBackend:
             prefix_pool = default_pool_rows(tree_bytes(self.state) // self.num_slots)
         self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
+        self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
         self.params[:, 2] = 1.0
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
@@ -486,6 +451,39 @@ class SlotBackend:
 
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0)
+
+    # ------------------------------------------------------------------ answers kept while idle (``jdspark.prefix``)
+    def keep_answer(self, req: SamplingRequest, answer_ids: Sequence[int]) -> None:
+        """A finished request's answer (the ids its client saw): its prompt + answer is kept when the engine is
+        idle (``idle_step``), for the conversation's next turn."""
+        if self.prefix is not None and req.images is None and len(answer_ids):
+            self.prefix.remember(tuple(req.prompt_ids) + tuple(answer_ids))
+
+    def idle_pending(self) -> bool:
+        return self.prefix is not None and bool(self.prefix.pending)
+
+    def idle_step(self) -> None:
+        """One remembered answer (or a chunk of one) prefilled on its kept prompt into slot 0 and kept in the pool.
+        The engine calls it only while every slot is free; it runs the extension and copy programs warm-up
+        compiled (the first token is drawn greedily and dropped)."""
+        plan = self.prefix.next_pending(self._idle_chunk)
+        if plan is None:
+            return
+        row, kept, ids = plan
+        n = len(ids) - kept
+        padded = np.full((1, self.prompt_bucket(n)), self.cfg.pad_token_id, np.int32)
+        padded[0, :n] = ids[kept:]
+        self._extend(0, row, padded, n, 0, 0.0, 0, 1.0)
+        new = self.prefix.store(ids)
+        if new is not None:
+            self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(new))
+            self.answers_kept += 1
+
+    def _idle_chunk(self, kept: int, total: int) -> Optional[int]:
+        """Tokens one extension takes of the total - kept after a kept prompt: all where a bucket holds them and
+        fits the cache after the kept ones, else as many as the largest such bucket (None: none fits)."""
+        fit = [b for b in self.prompt_buckets if kept + b <= self.max_len]
+        return min(total - kept, fit[-1]) if fit else None
 
     def programs(self) -> list:
         """Every program serving runs, as (jitted function, args, static kwargs): each text prompt bucket's insert

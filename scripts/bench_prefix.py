@@ -7,14 +7,17 @@ A conversation as a chat client or a coding agent sends it: turn 1's prompt is a
 ``--first-len`` tokens; each later turn's prompt is the previous prompt + the model's answer to it (``--answer-len``
 tokens, greedy, served by the slots) + a new message (``--message-len`` tokens of another held-out excerpt).
 Each turn's insert (``SlotBackend.insert``: the prefill and the first token read back, what a request waits for
-before its first token) is timed two ways on one backend, alternated per turn and round:
-  ``off``: no prefix cache (as ``--prefix-pool 0`` serves: the whole prompt prefilled, in its prompt bucket);
-  ``on``:  the previous turn's prompt kept (inserted just before, untimed), so only the answer and the new message
-           are prefilled (``jdspark.prefix``).
-Reported per turn: prompt and cached tokens, the median over ``--rounds`` of each way's ms, and off / on; and the
-sum over turns. Both ways must give the same first token (greedy): the script says where they do not. The backend
-has prompt buckets up to 1024 so that ``off`` can serve every turn; a server with the default buckets (up to 512)
-serves turns past 512 tokens only with the cache.
+before its first token) is timed three ways on one backend, in an order rotated per turn and round:
+  ``off``:     no prefix cache (as ``--prefix-pool 0`` serves: the whole prompt prefilled, in its prompt bucket);
+  ``on``:      the previous turn's prompt kept (inserted just before, untimed), so the previous answer and the new
+               message are prefilled (``jdspark.prefix``);
+  ``answers``: the previous turn's prompt and its answer kept (the answer prefilled on the kept prompt as the
+               engine does while idle between turns, ``SlotBackend.idle_step``, untimed), so only the new message
+               is prefilled.
+Reported per turn: prompt and cached tokens, the median over ``--rounds`` of each way's ms, and off / on, off /
+answers; and the sums over turns. Every way must give the same first token (greedy): the script says where they
+do not. The backend has prompt buckets up to 1024 so that ``off`` can serve every turn; a server with the default
+buckets (up to 512) serves turns past 512 tokens only with the cache.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def measure(target, drafter, docs, tok=None, *, conversations: int, turns: int, 
     """The JSON (see the module docstring) for conversations cut from ``docs`` (bytes; ``tok`` None: byte ids)."""
     import jax
 
+    from jdspark.engine import SamplingRequest
     from jdspark.slots import SlotBackend
 
     G = drafter.config.block_size if drafter is not None else 0
@@ -83,39 +87,48 @@ def measure(target, drafter, docs, tok=None, *, conversations: int, turns: int, 
                          f"prompt bucket ({buckets[-1]}) or the caches ({max_len}); use fewer turns or shorter lengths")
     convos = conversations_of(be, docs, tok, conversations, turns, first_len, answer_len, message_len)
     pool = be.prefix
-    ms = {w: [[[] for _ in range(turns)] for _ in convos] for w in ("off", "on")}
-    cached, mismatches = {}, []
+    ways = ("off", "on", "answers")
+    ms = {w: [[[] for _ in range(turns)] for _ in convos] for w in ways}
+    cached, mismatches = {w: {} for w in ways}, []
     for r in range(rounds + 1):  # round 0 runs every program once (compiles), untimed
         for c, convo in enumerate(convos):
             for t, prompt in enumerate(convo):
                 firsts = {}
-                for way in ("off", "on") if (r + t) % 2 == 0 else ("on", "off"):
-                    if way == "off":
-                        be.prefix = None  # as --prefix-pool 0: no lookup, nothing kept
-                        m, firsts[way], _ = timed_insert(be, prompt)
-                        be.prefix = pool
-                    else:
-                        pool.clear()
-                        if t > 0:
-                            timed_insert(be, convo[t - 1])  # the previous turn, kept
-                        m, firsts[way], cached[(c, t)] = timed_insert(be, prompt)
+                for way in ways[(r + t) % 3:] + ways[:(r + t) % 3]:
+                    be.prefix = None if way == "off" else pool  # off: as --prefix-pool 0, no lookup, none kept
+                    pool.clear()
+                    if t > 0 and way != "off":
+                        timed_insert(be, convo[t - 1])  # the previous turn, kept
+                    if t > 0 and way == "answers":  # and its answer, as the engine keeps it while idle
+                        before = convo[t - 1]
+                        be.keep_answer(SamplingRequest(tuple(before), answer_len),
+                                       prompt[len(before):len(before) + answer_len])
+                        while be.idle_pending():
+                            be.idle_step()
+                    m, firsts[way], cached[way][(c, t)] = timed_insert(be, prompt)
+                    be.prefix = pool
                     if r > 0:
                         ms[way][c][t].append(m)
-                if firsts["off"] != firsts["on"]:
-                    mismatches.append({"conversation": c, "turn": t, "off": int(firsts["off"]),
-                                       "on": int(firsts["on"])})
+                if len(set(firsts.values())) > 1:
+                    mismatches.append({"conversation": c, "turn": t, **{w: int(f) for w, f in firsts.items()}})
     rows = []
     for t in range(turns):
-        off = float(np.mean([np.median(ms["off"][c][t]) for c in range(len(convos))]))
-        on = float(np.mean([np.median(ms["on"][c][t]) for c in range(len(convos))]))
-        rows.append({"turn": t + 1, "prompt_tokens": float(np.mean([len(cv[t]) for cv in convos])),
-                     "cached_tokens": float(np.mean([cached[(c, t)] for c in range(len(convos))])),
-                     "ttft_off_ms": round(off, 2), "ttft_on_ms": round(on, 2), "off_over_on": round(off / on, 3)})
-    tot_off, tot_on = sum(r["ttft_off_ms"] for r in rows), sum(r["ttft_on_ms"] for r in rows)
+        row = {"turn": t + 1, "prompt_tokens": float(np.mean([len(cv[t]) for cv in convos]))}
+        for w in ways[1:]:
+            row["cached_tokens" + ("" if w == "on" else "_" + w)] = float(np.mean(
+                [cached[w][(c, t)] for c in range(len(convos))]))
+        for w in ways:
+            row[f"ttft_{w}_ms"] = round(float(np.mean([np.median(ms[w][c][t]) for c in range(len(convos))])), 2)
+        for w in ways[1:]:
+            row[f"off_over_{w}"] = round(row["ttft_off_ms"] / row[f"ttft_{w}_ms"], 3)
+        rows.append(row)
+    tot = {w: round(sum(r[f"ttft_{w}_ms"] for r in rows), 2) for w in ways}
     return {"backend": jax.default_backend(), "conversations": len(convos), "turns": turns, "first_len": first_len,
             "answer_len": answer_len, "message_len": message_len, "rounds": rounds, "max_len": max_len,
-            "per_turn": rows, "total_ttft_off_ms": round(tot_off, 2), "total_ttft_on_ms": round(tot_on, 2),
-            "total_off_over_on": round(tot_off / tot_on, 3), "first_token_mismatches": mismatches}
+            "per_turn": rows, **{f"total_ttft_{w}_ms": tot[w] for w in ways},
+            "total_off_over_on": round(tot["off"] / tot["on"], 3),
+            "total_off_over_answers": round(tot["off"] / tot["answers"], 3),
+            "total_on_over_answers": round(tot["on"] / tot["answers"], 3), "first_token_mismatches": mismatches}
 
 
 def main(argv=None) -> int:

@@ -115,3 +115,54 @@ def test_under_load_every_request_is_whole():
         res = _serve(be, lengths)
         for i, n in enumerate(lengths):
             assert res[i] == _want(10 + i, n), (k, i)
+
+
+class AnswerKeepingBackend(PipelinedBackend):
+    """Records what the engine hands ``keep_answer`` and when it runs ``idle_step`` (the slots then in use)."""
+
+    def __init__(self):
+        super().__init__(num_slots=2, tokens_per_step=3)
+        self.kept, self.idle_runs, self.todo = [], [], 0
+
+    def keep_answer(self, req, answer_ids):
+        self.kept.append((req.prompt_ids, list(answer_ids)))
+        self.todo += 1
+
+    def idle_pending(self):
+        return self.todo > 0
+
+    def idle_step(self):
+        self.todo -= 1
+        self.idle_runs.append(sorted(self.last))  # rows still placed: none, or the engine was not idle
+
+
+def test_a_finished_answer_is_kept_as_its_client_saw_it_and_only_while_idle():
+    """The ids a conversation's next turn repeats: all of them at max_tokens (EOS ignored), all but an EOS that
+    ended the answer (a chat template closes the turn its own way; EOS as the last allowed token is a stop, as in
+    vLLM), none where a stop string cut the text (the ids hold more than the text); the idle work runs only with
+    every slot free and nothing waiting."""
+    be = AnswerKeepingBackend()
+    eng = Engine(be, ByteTokenizer(), eos_token_id=20).start()
+    cases = [((10,), 5, True, ()), ((12,), 50, False, ()), ((15,), 5, False, ()), ((40,), 20, True, ("+",))]
+    events = []
+    try:
+        for prompt, max_tokens, ignore_eos, stop in cases:
+            done = threading.Event()
+
+            def on_event(ev, done=done):
+                if ev.finish_reason is not None:
+                    events.append((ev.finish_reason, ev.usage["completion_tokens"]))
+                    done.set()
+
+            eng.submit(Request(SamplingRequest(prompt_ids=prompt, max_tokens=max_tokens), on_event,
+                               ignore_eos=ignore_eos, stop=stop))
+            assert done.wait(20)
+            for _ in range(400):
+                if not be.idle_pending():
+                    break
+                threading.Event().wait(0.01)
+    finally:
+        eng.shutdown()
+    assert events == [("length", 5), ("stop", 8), ("stop", 5), ("stop", 3)]
+    assert be.kept == [((10,), _want(10, 5)), ((12,), _want(12, 7)), ((15,), _want(15, 4))]
+    assert be.idle_runs == [[], [], []]

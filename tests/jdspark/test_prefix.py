@@ -3,6 +3,8 @@ turn by turn through the engine, each turn's prompt the previous prompt + its an
 for token to batch-1 ``jdspark.generate`` of the whole prompt (greedy, and sampled with the same seed), with the
 later turns prefilling only their new tokens (one of them longer than the largest prompt bucket)."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -32,6 +34,39 @@ def test_pool_keeps_the_longest_proper_prefix_and_evicts_the_least_recent():
         PrefixPool(0)
 
 
+def test_remembered_answers_are_kept_newest_first_and_in_chunks():
+    """``remember`` / ``next_pending``: the newest remembered sequence first, extended from its longest kept prefix,
+    cut where ``chunk`` says (the rest waits again and continues from the cut once it is kept); a sequence with no
+    kept prefix, or kept already, is dropped; at most PENDING_ANSWERS wait."""
+    from jdspark.prefix import PENDING_ANSWERS
+
+    pool = PrefixPool(4, min_tokens=3)
+    a = pool.store([1, 2, 3])
+    pool.remember([1, 2])  # too short to keep
+    pool.remember([9, 9, 9, 9])  # no kept prefix
+    pool.remember([1, 2, 3, 4, 5, 6, 7, 8])
+    queries, hits = pool.queries, pool.hits
+
+    def chunk(n, total):  # at most 3 tokens a prefill
+        return min(total - n, 3)
+
+    assert pool.next_pending(chunk) == (a, 3, (1, 2, 3, 4, 5, 6))
+    b = pool.store([1, 2, 3, 4, 5, 6])
+    assert pool.next_pending(chunk) == (b, 6, (1, 2, 3, 4, 5, 6, 7, 8))
+    pool.store([1, 2, 3, 4, 5, 6, 7, 8])
+    assert pool.next_pending(chunk) is None and not pool.pending  # [9, 9, 9, 9] had no kept prefix
+    assert (pool.queries, pool.hits) == (queries, hits)  # idle work is not a request's lookup
+    pool.remember([1, 2, 3, 4, 5, 6])  # kept already
+    assert not pool.pending
+    pool.remember([1, 2, 3, 9])
+    assert pool.next_pending(lambda n, total: None) is None  # no room after any kept prefix
+    for i in range(PENDING_ANSWERS + 2):
+        pool.remember([1, 2, 3, 100 + i])
+    assert len(pool.pending) == PENDING_ANSWERS and pool.next_pending(chunk)[2] == (1, 2, 3, 100 + PENDING_ANSWERS + 1)
+    pool.clear()
+    assert not pool.pending and len(pool) == 0
+
+
 @pytest.fixture(scope="module")
 def backend(pair):  # noqa: F811
     target, drafter, _ = pair
@@ -40,8 +75,14 @@ def backend(pair):  # noqa: F811
 
 
 def _serve(eng, sp: SamplingRequest) -> Request:
+    """One request, then the engine's idle work (its answer kept) before the next: a request that arrives first
+    is served first, and the next turn would find only the prompt kept."""
     req = eng.submit(Request(sp, lambda ev: None, ignore_eos=True))
     _wait_until_finished(eng, [req], 600)
+    deadline = time.time() + 600
+    while eng.backend.idle_pending():
+        assert time.time() < deadline and eng.error is None, eng.error
+        time.sleep(0.01)
     return req
 
 
@@ -49,13 +90,14 @@ def _serve(eng, sp: SamplingRequest) -> Request:
 def test_a_conversation_prefills_only_its_new_tokens(pair, backend, setting):  # noqa: F811
     target, drafter, tok = pair
     backend.prefix.clear()
+    backend.answers_kept = 0
     metrics = ServeMetrics("m", max_positions=backend.G + 1)
     eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id, metrics=metrics).start()
     rng = np.random.default_rng(3)
     prompt = [1] + rng.integers(3, target.config.vocab_size, 39).tolist()
     cached, total = [], 0
     try:
-        for turn, (max_new, message) in enumerate(((20, 12), (16, 5), (12, 0))):
+        for turn, (max_new, message) in enumerate(((16, 12), (16, 5), (16, 0))):  # one generate program a bucket
             sp = SamplingRequest(tuple(prompt), max_new, seed=turn, **setting)
             req = _serve(eng, sp)
             ref = jdspark.generate(target, drafter, np.array(prompt), max_new_tokens=max_new, seed=turn,
@@ -69,7 +111,9 @@ def test_a_conversation_prefills_only_its_new_tokens(pair, backend, setting):  #
                 assert len(prompt) > backend.prompt_buckets[-1]  # served only through the kept first prompt
     finally:
         eng.shutdown()
-    assert cached == [0, 40, 40 + 20 + 12], cached
+    # each turn's prompt and answer were kept (the answer while the engine was idle): a turn prefills its message
+    assert cached == [0, 40 + 16, 40 + 16 + 12 + 16], cached
+    assert backend.answers_kept == 3
     text = metrics.exposition().decode()
     assert f'vllm:prefix_cache_hits_total{{model_name="m"}} {float(sum(cached))}' in text
     assert f'vllm:prefix_cache_queries_total{{model_name="m"}} {float(total)}' in text
@@ -85,22 +129,35 @@ def test_a_long_prompt_without_a_kept_prefix_is_refused_by_name(pair, backend): 
 
 def test_a_plain_backend_extends_too(pair):  # noqa: F811
     """Without a drafter (``--spec off``) a hit extends the target's caches alone: the second prompt's tokens equal
-    plain batch-1 decoding of the whole prompt."""
+    plain batch-1 decoding of the whole prompt. The third begins with the second and its 40-token answer, longer
+    than the largest bucket (32): kept while idle in two chunks (32 + 8), its prompt prefills only its message."""
     target, _, _ = pair
-    be = SlotBackend(target, None, num_slots=1, max_len=96, prompt_buckets=(16, 32), prefix_pool=1,
+    be = SlotBackend(target, None, num_slots=1, max_len=128, prompt_buckets=(16, 32), prefix_pool=1,
                      prefix_min_tokens=8)
     rng = np.random.default_rng(4)
     first = [1] + rng.integers(3, target.config.vocab_size, 20).tolist()
     second = first + rng.integers(3, target.config.vocab_size, 20).tolist()
-    for prompt, cached in ((first, 0), (second, len(first))):
-        out = be.insert(0, SamplingRequest(tuple(prompt), 12))
+
+    def serve(prompt, cached, max_new):
+        out = be.insert(0, SamplingRequest(tuple(prompt), max_new))
         assert out.cached == cached
         toks = list(out.tokens)
-        while len(toks) < 12:
+        while len(toks) < max_new:
             toks += be.step([0])[0].tokens
         be.free(0)
-        ref = jdspark.generate(target, None, np.array(prompt), max_new_tokens=12, eos_token_id=-1)
-        assert toks[:12] == list(ref.tokens)
+        ref = jdspark.generate(target, None, np.array(prompt), max_new_tokens=max_new, eos_token_id=-1)
+        assert toks[:max_new] == list(ref.tokens)
+        return toks[:max_new]
+
+    serve(first, 0, 40)  # every max_new 40: one generate program a prompt bucket
+    answer = serve(second, len(first), 40)
+    be.keep_answer(SamplingRequest(tuple(second), 40), answer)  # what the engine does when the request ends
+    plans = 0
+    while be.idle_pending():  # and what it runs while nothing else does
+        be.idle_step()
+        plans += 1
+    assert plans == 2 and be.answers_kept == 2 and list(be.prefix.rows) == [tuple(second + answer)]
+    serve(second + answer + rng.integers(3, target.config.vocab_size, 6).tolist(), len(second) + 40, 40)
 
 
 def test_a_chat_s_next_turn_begins_with_its_last_prompt():

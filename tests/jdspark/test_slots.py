@@ -449,7 +449,7 @@ def test_compile_all_refuses_programs_past_the_memory_map_limit(backend, monkeyp
 def test_the_memory_map_budget():
     """``check_map_budget``: used + remaining x per program against the limit less MAP_HEADROOM; ``memory_maps``
     reads this process's maps and the system's limit (Linux)."""
-    from jdspark.slots import MAP_HEADROOM, check_map_budget, memory_maps
+    from jdspark.graphs import MAP_HEADROOM, check_map_budget, memory_maps
 
     check_map_budget(40, 1000, 3000, 65530)  # the default server's shape: 44 programs
     check_map_budget(0, 1000, 65530 - MAP_HEADROOM, 65530)  # exactly at the budget
