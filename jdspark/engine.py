@@ -11,7 +11,11 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
         are dropped; such a backend's ``steps_for(n)`` says how many steps one launch may run for n active slots,
         used while no request waits, and ``collect`` gives each slot its steps' outputs in order)
     ends a request on EOS (unless ``ignore_eos``), a stop string, ``max_tokens`` or cancellation, frees its slot,
-    and hands each request its events (text deltas decoded incrementally, never a broken character).
+    and hands each request its events (text deltas decoded incrementally, never a broken character);
+    hands a backend with ``keep_answer`` each finished request's answer as its client saw it (not after a stop
+    string's cut; without an EOS that ended it), and runs its ``idle_step`` while no request runs or waits (from
+    ``IDLE_GRACE_S`` after the last did) and its ``idle_pending`` says there is work (``jdspark.slots``: the answer
+    kept for a conversation's next turn).
 
 Timing and acceptance are recorded into ``jdspark.serve_metrics.ServeMetrics`` (vLLM's metric names). Events reach
 the caller through a callback (the server passes one that moves them onto its asyncio loop).
@@ -27,9 +31,15 @@ import time
 from typing import Callable, Optional, Protocol, Sequence
 
 __all__ = ["SamplingRequest", "StepOutput", "Backend", "Event", "Request", "Engine", "QueueFull",
-           "FINISH_REASONS"]
+           "FINISH_REASONS", "IDLE_GRACE_S"]
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+# The engine starts a backend's idle work (``idle_step``) only after this long with nothing to run: a client that
+# sends its next request at once (a load test's conversation, a script) finds the engine free, not busy with an
+# answer it is about to extend anyway (measured without it, docs/serving.md: a conversation's first turn waited
+# ~20 ms for the previous one's answer at c = 1); a user reading or an agent running its tool takes longer.
+IDLE_GRACE_S = 0.05
 
 
 class QueueFull(Exception):
@@ -183,13 +193,18 @@ class Engine:
         pending = None  # (handle, {slot: request}) of a launched step not yet committed (pipelined backends)
         pipelined = hasattr(self.backend, "launch") and hasattr(self.backend, "collect")
         idle_pending = getattr(self.backend, "idle_pending", None)  # work for a backend while nothing runs
+        busy_until = time.monotonic()  # when the engine last ran a request's work
         try:
             while True:
                 with self._cv:
                     while not self._stop and not self.waiting and not any(self.slots) and pending is None:
-                        if idle_pending is not None and idle_pending():
+                        grace = busy_until + IDLE_GRACE_S - time.monotonic()
+                        if idle_pending is None or not idle_pending():
+                            self._cv.wait()
+                        elif grace > 0:
+                            self._cv.wait(grace)
+                        else:
                             break
-                        self._cv.wait()
                     if self._stop:
                         return
                     idle = not self.waiting and not any(self.slots) and pending is None
@@ -202,7 +217,7 @@ class Engine:
                                 self.slots[s] = req
                                 admit.append((s, req))
                         self._gauges()
-                if idle:  # every slot free, no request waiting: one unit of the backend's idle work
+                if idle:  # every slot free, no request waiting, for IDLE_GRACE_S: one unit of idle work
                     self.backend.idle_step()
                     continue
                 for s, req in admit:  # prefill outside the lock: submit() stays responsive
@@ -239,6 +254,7 @@ class Engine:
                         if r is not None and r.finished is not None:
                             self._release(s)
                     self._gauges()
+                busy_until = time.monotonic()
         except BaseException as e:  # surface device errors to every waiting caller, then stop
             self.error = e
             with self._cv:

@@ -391,6 +391,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "at --max-len 1024); a prompt that begins with a kept one prefills only the rest, and may "
                          "then be longer than the largest prompt bucket (jdspark.prefix); 0: off; default: 32, fewer "
                          "where they would take more than 512 MiB (jdspark.prefix.default_pool_rows)")
+    ap.add_argument("--no-prefix-answers", dest="prefix_answers", action="store_false",
+                    help="with prefix caching, do not keep finished answers while idle (by default the engine, when "
+                         "no request runs or waits, prefills each answer on its kept prompt, so a conversation's next "
+                         "turn prefills only its new message)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -419,7 +423,7 @@ def make_engine(a: argparse.Namespace):
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
-                          prefix_pool=a.prefix_pool,
+                          prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,

@@ -150,7 +150,7 @@ class SlotBackend:
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
-                 prefix_min_tokens: int = PREFIX_MIN_TOKENS):
+                 prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -187,6 +187,7 @@ class SlotBackend:
             prefix_pool = default_pool_rows(tree_bytes(self.state) // self.num_slots)
         self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
+        self.prefix_answers = bool(prefix_answers)  # keep finished answers while idle (``keep_answer``)
         self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)
         self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
         self.params[:, 2] = 1.0
@@ -456,7 +457,7 @@ class SlotBackend:
     def keep_answer(self, req: SamplingRequest, answer_ids: Sequence[int]) -> None:
         """A finished request's answer (the ids its client saw): its prompt + answer is kept when the engine is
         idle (``idle_step``), for the conversation's next turn."""
-        if self.prefix is not None and req.images is None and len(answer_ids):
+        if self.prefix is not None and self.prefix_answers and req.images is None and len(answer_ids):
             self.prefix.remember(tuple(req.prompt_ids) + tuple(answer_ids))
 
     def idle_pending(self) -> bool:
@@ -465,7 +466,7 @@ class SlotBackend:
     def idle_step(self) -> None:
         """One remembered answer (or a chunk of one) prefilled on its kept prompt into slot 0 and kept in the pool.
         The engine calls it only while every slot is free; it runs the extension and copy programs warm-up
-        compiled (the first token is drawn greedily and dropped)."""
+        compiled (the first token is drawn greedily and dropped) and returns when they are done."""
         plan = self.prefix.next_pending(self._idle_chunk)
         if plan is None:
             return
@@ -478,6 +479,7 @@ class SlotBackend:
         if new is not None:
             self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(new))
             self.answers_kept += 1
+        jax.block_until_ready((self.state, self.pool))  # one unit at a time: a request arriving waits for it alone
 
     def _idle_chunk(self, kept: int, total: int) -> Optional[int]:
         """Tokens one extension takes of the total - kept after a kept prompt: all where a bucket holds them and

@@ -26,8 +26,9 @@ loopback or the given ``--url`` is contacted; every loop is bounded. ``--in-proc
 would serve (``jdspark.serve.make_engine`` on the same arguments) in this process and submits the same requests
 to it directly: its cells against ``--launch``'s are what the HTTP layer (and its clients on the same cores) cost.
 ``--turns N``: each request becomes a conversation of N turns (``conversation``: turn t's prompt is turn t - 1's +
-its answer + a ``--message-len`` excerpt of held-out code), as chat clients and coding agents send them; cells add
-``ttft_ms_p50_by_turn`` and ``cached_share`` (prompt tokens the server's prefix cache served, from ``usage``).
+its answer + a ``--message-len`` excerpt of held-out code, sent ``--think-ms`` after the answer), as chat clients
+and coding agents send them; cells add ``ttft_ms_p50_by_turn`` and ``cached_share`` (prompt tokens the server's
+prefix cache served, from ``usage``).
 """
 
 from __future__ import annotations
@@ -218,21 +219,23 @@ def summarize(cells) -> list:
 
 
 def conversation(client, prompt, messages, encode, max_tokens: int, temperature: float, seed: int,
-                 mode: str) -> list:
+                 mode: str, think_s: float = 0.0) -> list:
     """One client's conversation (``--turns``): turn t's prompt is turn t - 1's + its answer (the streamed text,
-    encoded again) + ``messages[t - 1]``, as a chat client or a coding agent sends it. One result per turn, each
-    with its ``turn`` and ``prompt_tokens``."""
+    encoded again) + ``messages[t - 1]``, as a chat client or a coding agent sends it, ``think_s`` seconds after
+    the answer (a user reading it, an agent running its tool). One result per turn, each with its ``turn`` and
+    ``prompt_tokens``."""
     out = []
     for t in range(len(messages) + 1):
         r = client.request(prompt, max_tokens, temperature, seed + 7919 * t, mode)
         out.append({**r, "turn": t, "prompt_tokens": len(prompt)})
         if t < len(messages):
             prompt = list(prompt) + list(encode(r["text"])) + list(messages[t])
+            time.sleep(think_s)
     return out
 
 
 def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
-             requests: int, messages=None, encode=None) -> dict:
+             requests: int, messages=None, encode=None, think_s: float = 0.0) -> dict:
     """One cell through ``client`` (``HttpClient`` or ``EngineClient``). With ``messages`` (a list of turns' new
     messages, token ids) each of the ``requests`` is a conversation of len(messages) + 1 turns (``conversation``;
     ``encode``: text -> token ids, no BOS) and the cell adds each turn's TTFT p50 and the share of prompt tokens the
@@ -244,7 +247,7 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
         if messages is None:
             return [client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i, mode)]
         return conversation(client, prompts[i % len(prompts)], messages, encode, max_tokens, temperature,
-                            1000 + i, mode)
+                            1000 + i, mode, think_s)
 
     with cf.ThreadPoolExecutor(concurrency) as ex:
         res = [r for rs in ex.map(one, range(requests)) for r in rs]
@@ -353,9 +356,10 @@ def launch_args(prompt_len: int, max_tokens: int, turns: int = 1, message_len: i
     """The server flags a launched run sizes by its traffic, as an operator would: one prompt bucket that holds
     the prompts, and slot caches of the prompt + completion + a verify block (16 covers the drafter's), rounded
     up to 64 positions (a slot's state is copied on every step it runs, so an oversized cache costs time). With
-    ``turns`` > 1 (conversations): buckets for the first prompt, for a turn's new tokens (an answer, encoded again,
-    + a message: what a prefix-cache hit prefills; 16 tokens of slack for the encoding) and for the last turn's
-    whole prompt (what a server without the cache prefills), and caches that hold the last turn's answer."""
+    ``turns`` > 1 (conversations): buckets for the first prompt, for a turn's message (what a hit on a kept answer
+    prefills), for its new tokens (an answer, encoded again, + a message: what a hit on the kept prompt prefills;
+    16 tokens of slack for the encoding) and for the last turn's whole prompt (what a server without the cache
+    prefills), and caches that hold the last turn's answer."""
     def up(n):
         return -(-int(n) // 64) * 64
 
@@ -364,7 +368,7 @@ def launch_args(prompt_len: int, max_tokens: int, turns: int = 1, message_len: i
         return ["--prompt-buckets", str(bucket), "--max-len", str(up(bucket + int(max_tokens) + 16))]
     step = int(max_tokens) + int(message_len) + 16
     last = up(int(prompt_len) + (turns - 1) * step)
-    buckets = sorted({up(prompt_len), up(step), last})
+    buckets = sorted({up(prompt_len), up(int(message_len) + 16), up(step), last})
     return ["--prompt-buckets", ",".join(map(str, buckets)), "--max-len", str(up(last + int(max_tokens) + 16))]
 
 
@@ -418,6 +422,9 @@ def main(argv=None) -> int:
                          "cells add each turn's TTFT and the share of prompt tokens the prefix cache served (compare "
                          "--server-args \"--prefix-pool 0\")")
     ap.add_argument("--message-len", type=int, default=48, help="tokens of each turn's new message (--turns > 1)")
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="a conversation's pause between an answer and its next turn (--turns > 1; the server keeps "
+                         "the answer while idle, jdspark.prefix); the cell's wall time includes it")
     ap.add_argument("--rounds", type=int, default=5,
                     help="runs of each cell; the modes of a concurrency alternate round by round, the median counts")
     ap.add_argument("--server-args", default="", help="more `python -m jdspark.serve` flags for --launch and "
@@ -429,6 +436,8 @@ def main(argv=None) -> int:
         ap.error(f"--rounds: expected >= 1, got {a.rounds}")
     if a.turns < 1 or a.message_len < 1:
         ap.error(f"--turns, --message-len: expected >= 1, got {a.turns}, {a.message_len}")
+    if not 0 <= a.think_ms < 1e6:
+        ap.error(f"--think-ms: expected 0 <= ms < 1e6, got {a.think_ms}")
     modes = a.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}")
@@ -465,7 +474,7 @@ def main(argv=None) -> int:
                 for r in range(a.rounds):  # the modes of one concurrency side by side, round after round,
                     for mode in (modes if r % 2 == 0 else modes[::-1]):  # in turn forward and backward (ABBA)
                         cell = run_cell(client, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c),
-                                        messages, encode)
+                                        messages, encode, a.think_ms / 1e3)
                         rounds[mode].append(cell)
                         print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "
                               f"tok/s total, {cell['per_user_tok_s']:6.1f} per user, accept_len "

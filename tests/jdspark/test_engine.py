@@ -4,8 +4,9 @@ last repeating), (t + 1) % 256 after t; it records every launch and each listed 
 already carried to its max_tokens (a launch run for nothing)."""
 
 import threading
+import time
 
-from jdspark.engine import Engine, Request, SamplingRequest, StepOutput
+from jdspark.engine import IDLE_GRACE_S, Engine, Request, SamplingRequest, StepOutput
 from kimi.tokenizer import ByteTokenizer
 
 
@@ -122,7 +123,7 @@ class AnswerKeepingBackend(PipelinedBackend):
 
     def __init__(self):
         super().__init__(num_slots=2, tokens_per_step=3)
-        self.kept, self.idle_runs, self.todo = [], [], 0
+        self.kept, self.idle_runs, self.idle_at, self.todo = [], [], [], 0
 
     def keep_answer(self, req, answer_ids):
         self.kept.append((req.prompt_ids, list(answer_ids)))
@@ -134,17 +135,18 @@ class AnswerKeepingBackend(PipelinedBackend):
     def idle_step(self):
         self.todo -= 1
         self.idle_runs.append(sorted(self.last))  # rows still placed: none, or the engine was not idle
+        self.idle_at.append(time.monotonic())
 
 
 def test_a_finished_answer_is_kept_as_its_client_saw_it_and_only_while_idle():
     """The ids a conversation's next turn repeats: all of them at max_tokens (EOS ignored), all but an EOS that
     ended the answer (a chat template closes the turn its own way; EOS as the last allowed token is a stop, as in
     vLLM), none where a stop string cut the text (the ids hold more than the text); the idle work runs only with
-    every slot free and nothing waiting."""
+    every slot free and nothing waiting, from IDLE_GRACE_S after the last request's work."""
     be = AnswerKeepingBackend()
     eng = Engine(be, ByteTokenizer(), eos_token_id=20).start()
     cases = [((10,), 5, True, ()), ((12,), 50, False, ()), ((15,), 5, False, ()), ((40,), 20, True, ("+",))]
-    events = []
+    events, finished_at = [], []
     try:
         for prompt, max_tokens, ignore_eos, stop in cases:
             done = threading.Event()
@@ -152,6 +154,7 @@ def test_a_finished_answer_is_kept_as_its_client_saw_it_and_only_while_idle():
             def on_event(ev, done=done):
                 if ev.finish_reason is not None:
                     events.append((ev.finish_reason, ev.usage["completion_tokens"]))
+                    finished_at.append(time.monotonic())
                     done.set()
 
             eng.submit(Request(SamplingRequest(prompt_ids=prompt, max_tokens=max_tokens), on_event,
@@ -166,3 +169,5 @@ def test_a_finished_answer_is_kept_as_its_client_saw_it_and_only_while_idle():
     assert events == [("length", 5), ("stop", 8), ("stop", 5), ("stop", 3)]
     assert be.kept == [((10,), _want(10, 5)), ((12,), _want(12, 7)), ((15,), _want(15, 4))]
     assert be.idle_runs == [[], [], []]
+    # each after IDLE_GRACE_S with nothing to run (a next request sent at once would find the engine free)
+    assert all(t >= f + IDLE_GRACE_S for t, f in zip(be.idle_at, finished_at))

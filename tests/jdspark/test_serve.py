@@ -315,8 +315,9 @@ def test_bench_serve_sizes_a_launched_server_by_its_traffic():
 
     assert bench_serve.launch_args(128, 128) == ["--prompt-buckets", "128", "--max-len", "320"]
     assert bench_serve.launch_args(100, 50) == ["--prompt-buckets", "128", "--max-len", "256"]
-    # conversations of 4 turns: the first prompt, a turn's new tokens (answer + message + slack), the last prompt
-    assert bench_serve.launch_args(128, 128, 4, 48) == ["--prompt-buckets", "128,192,704", "--max-len", "896"]
+    # conversations of 4 turns: the first prompt, a turn's message, its new tokens (answer + message + slack), the
+    # last prompt
+    assert bench_serve.launch_args(128, 128, 4, 48) == ["--prompt-buckets", "64,128,192,704", "--max-len", "896"]
 
 
 def test_bench_serve_prompt_sources(tmp_path, capsys):
@@ -423,7 +424,14 @@ def test_multi_step_and_prefix_flags_reach_the_slots():
 
     assert [default_pool_rows(b) for b in (1 << 20, PREFIX_POOL_BUDGET_BYTES // 5, 2 * PREFIX_POOL_BUDGET_BYTES)] == [
         32, 5, 1]
-    assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "3"]))[1].prefix.capacity == 3
+    assert backend.prefix_answers  # answers are kept while idle by default
+    be = serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "3", "--no-prefix-answers"]))[1]
+    assert be.prefix.capacity == 3 and not be.prefix_answers
+    from jdspark.engine import SamplingRequest
+
+    for b, pending in ((backend, True), (be, False)):
+        b.keep_answer(SamplingRequest(tuple(range(40)), 4), [5, 6, 7])
+        assert b.idle_pending() == pending
     assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "0"]))[1].prefix is None
     with pytest.raises(SystemExit):
         serve.parse_args(["--prefix-pool", "-1"])
