@@ -79,6 +79,9 @@ class Backend(Protocol):
 
     def free(self, slot: int) -> None: ...
 
+    # optional: ``launch`` / ``collect`` / ``steps_for`` (pipelined, multi-step), ``keep_answer`` / ``idle_pending`` /
+    # ``idle_step`` (work while nothing runs; see the module docstring)
+
 
 @dataclasses.dataclass
 class Event:
