@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 from typing import Callable, Optional, Protocol, Sequence
@@ -147,6 +148,7 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._ids = itertools.count()
         self.error: Optional[BaseException] = None
+        self.idle_error: Optional[BaseException] = None  # why the backend's idle work was turned off, if it was
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, req: Request) -> Request:
@@ -221,7 +223,11 @@ class Engine:
                                 admit.append((s, req))
                         self._gauges()
                 if idle:  # every slot free, no request waiting, for IDLE_GRACE_S: one unit of idle work
-                    self.backend.idle_step()
+                    try:
+                        self.backend.idle_step()
+                    except Exception as e:  # an optimisation: its failure must not end the serving
+                        self.idle_error, idle_pending = e, None
+                        print(f"[engine] idle work failed and is off from now on: {e!r}", file=sys.stderr, flush=True)
                     continue
                 for s, req in admit:  # prefill outside the lock: submit() stays responsive
                     req.admitted_at = time.monotonic()

@@ -171,3 +171,33 @@ def test_a_finished_answer_is_kept_as_its_client_saw_it_and_only_while_idle():
     assert be.idle_runs == [[], [], []]
     # each after IDLE_GRACE_S with nothing to run (a next request sent at once would find the engine free)
     assert all(t >= f + IDLE_GRACE_S for t, f in zip(be.idle_at, finished_at))
+
+
+def test_idle_work_that_fails_is_turned_off_and_serving_goes_on():
+    """An answer's idle prefill is an optimisation: when it raises, the engine says why (``idle_error``), stops
+    calling it, and serves the next requests whole."""
+
+    class Failing(AnswerKeepingBackend):
+        def idle_step(self):
+            super().idle_step()
+            raise RuntimeError("no room")
+
+    be = Failing()
+    eng = Engine(be, ByteTokenizer(), eos_token_id=None).start()
+    try:
+        got = []
+        for i in range(3):
+            done = threading.Event()
+
+            def on_event(ev, done=done):
+                got.extend(ev.token_ids)
+                if ev.finish_reason is not None:
+                    done.set()
+
+            eng.submit(Request(SamplingRequest(prompt_ids=(10 * i,), max_tokens=6), on_event, ignore_eos=True))
+            assert done.wait(20)
+            time.sleep(3 * IDLE_GRACE_S)
+    finally:
+        eng.shutdown()
+    assert got == _want(0, 6) + _want(10, 6) + _want(20, 6)
+    assert len(be.idle_runs) == 1 and isinstance(eng.idle_error, RuntimeError) and eng.error is None
