@@ -443,7 +443,8 @@ def main(argv=None) -> int:
         print(f"[serve] compiling {len(backend.programs())} programs, several at a time", file=sys.stderr, flush=True)
         if backend.prefix is not None:
             mib = tree_bytes(backend.pool) / 2**20
-            print(f"[serve] prefix cache: up to {backend.prefix.capacity} prompts kept ({mib:.0f} MiB)",
+            answers = "answers kept while idle" if backend.prefix_answers else "answers not kept"
+            print(f"[serve] prefix cache: up to {backend.prefix.capacity} prompts kept ({mib:.0f} MiB; {answers})",
                   file=sys.stderr, flush=True)
         try:
             backend.warm_up()
