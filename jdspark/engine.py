@@ -59,6 +59,7 @@ class SamplingRequest:
     speculative: bool = True
     spec_mode: Optional[str] = None  # "fixed" | "adaptive" | None (the server's default)
     images: Optional[object] = None  # kimi.image.VisionInput; prompt_ids holds its placeholders expanded
+    logprobs: Optional[int] = None  # each token's log-probability and this many top ones (None: none)
 
 
 @dataclasses.dataclass
@@ -69,6 +70,7 @@ class StepOutput:
     accepted: int = 0  # drafts accepted this step
     verified: int = 1  # tokens the target verified for this slot this step (1 for a plain decode step)
     cached: int = 0  # an insert's: prompt tokens found in the prefix cache, not prefilled (``jdspark.prefix``)
+    logprobs: Optional[list] = None  # per token (logprob, [(id, logprob), ...]) when the request asked
 
 
 class Backend(Protocol):
@@ -92,6 +94,7 @@ class Event:
     finish_reason: Optional[str] = None
     usage: Optional[dict] = None
     error: Optional[str] = None  # why the request could not be served (it ends with finish_reason "abort")
+    logprobs: Optional[list] = None  # one entry per id of token_ids (StepOutput.logprobs'), when asked
 
 
 @dataclasses.dataclass(eq=False)
@@ -324,11 +327,13 @@ class Engine:
         if req.finished is not None or req.cancelled:
             return
         now = time.monotonic()
-        reason, take, used, eos = None, [], [], False
+        reason, take, used, eos, lps = None, [], [], False, []
         for out in outs:
             used.append(out)
-            for t in out.tokens:
+            for j, t in enumerate(out.tokens):
                 take.append(int(t))
+                if out.logprobs is not None:
+                    lps.append(out.logprobs[j])
                 if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
                     reason, eos = "stop", True
                     break
@@ -359,6 +364,7 @@ class Engine:
         if cut >= 0:
             req.text, reason = req.text[:cut], "stop"
         req.output_ids += take
+        lps = lps[:len(take)] if req.sampling.logprobs is not None else None
         # hold back a tail that could still become a stop string
         hold = 0 if reason is not None else max((len(x) - 1 for x in req.stop), default=0)
         upto = max(req.sent, len(req.text) - hold)
@@ -373,15 +379,17 @@ class Engine:
             keep = getattr(self.backend, "keep_answer", None)
             if keep is not None and cut < 0:  # a stop string's cut: the client's text is not these ids
                 keep(req.sampling, req.output_ids[:-1] if eos else req.output_ids)  # before the caller hears
-            self._finish(req, reason, delta, take)
+            self._finish(req, reason, delta, take, logprobs=lps)
         elif delta or take:
-            req.on_event(Event(delta, take))
+            req.on_event(Event(delta, take, logprobs=lps))
 
-    def _finish(self, req: Request, reason: str, delta: str = "", take=(), error: Optional[str] = None) -> None:
+    def _finish(self, req: Request, reason: str, delta: str = "", take=(), error: Optional[str] = None,
+                logprobs: Optional[list] = None) -> None:
         req.finished = reason
         if self.metrics:
             self.metrics.finished(req, reason, time.monotonic())
-        req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage(), error=error))
+        req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage(), error=error,
+                           logprobs=logprobs if logprobs is not None or req.sampling.logprobs is None else []))
 
     def _gauges(self) -> None:
         if self.metrics:

@@ -11,8 +11,14 @@ decoded incrementally. ``usage`` carries the completion's own acceptance (``draf
 took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
 queue is full, 503 before the engine is ready); a request field this server does not implement (``n`` > 1,
-``logprobs``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value
+``echo``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value
 that asks for nothing. A client that disconnects frees its slot.
+
+Log-probabilities (``jdspark.logprobs``): ``logprobs: N`` on ``/v1/completions`` (the API's legacy object: tokens,
+token_logprobs, top_logprobs, text_offset), ``logprobs: true`` and ``top_logprobs: N`` on chat (``content``
+entries with token, logprob, bytes, top_logprobs), N at most ``--max-logprobs`` (default 20). They are the target's
+own distribution at each generated position, before temperature / top-k / top-p (vLLM's default), and the same
+whether a token was an accepted draft or the target's own.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import kimi
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
 from jdspark.engine import Request as EngineRequest
+from jdspark.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
 from jdspark.prefix import tree_bytes
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 from jdspark.serve_metrics import ServeMetrics
@@ -71,8 +78,8 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
-    "top_logprobs": (0,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "prompt_logprobs": (0,),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
 }
@@ -90,17 +97,40 @@ def _reject_unsupported(body: dict) -> None:
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
-                     spec_modes: tuple = ("fixed", "adaptive"), vision=None) -> tuple:
+                     spec_modes: tuple = ("fixed", "adaptive"), vision=None,
+                     max_logprobs: Optional[int] = None) -> tuple:
     """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError.
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
-    or None (text-only: an image part is a 400 naming that)."""
+    or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
+    request may ask (None: the server computes none)."""
     try:
-        return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision)
+        return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
+                      max_logprobs)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
 
-def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision):
+def _logprobs(body: dict, chat: bool, max_logprobs: Optional[int]) -> Optional[int]:
+    """The top log-probabilities a request asks per token (None: none): chat's ``logprobs`` (a boolean) and
+    ``top_logprobs``, completions' ``logprobs`` (an integer)."""
+    limit = -1 if max_logprobs is None else max_logprobs
+    what = f"an integer in 0..{limit}" if limit >= 0 else "null (this server computes no log-probabilities)"
+    if chat:
+        on = _get(body, "logprobs", (bool,), False, what="a boolean")
+        top = _get(body, "top_logprobs", (int,), None, lambda v: 0 <= v <= limit, what)
+        if top is not None and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        asked = (top or 0) if on else None
+    else:
+        asked = _get(body, "logprobs", (int,), None, lambda v: 0 <= v <= limit, what)
+    if asked is not None and max_logprobs is None:
+        raise ApiError(400, "log-probabilities are off on this server (started with --no-logprobs)", "logprobs",
+                       code="unsupported")
+    return asked
+
+
+def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
+           max_logprobs):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -177,7 +207,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
-                         int(seed), bool(speculative), spec_mode, images=vin)
+                         int(seed), bool(speculative), spec_mode, images=vin,
+                         logprobs=_logprobs(body, chat, max_logprobs))
     return sp, stop, ignore_eos, stream, include_usage
 
 
@@ -214,7 +245,7 @@ class _Mailbox:
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
               is_ready=lambda: True, max_prompt: Optional[int] = None,
-              spec_modes: tuple = ("fixed", "adaptive"), vision=None) -> FastAPI:
+              spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     mailboxes: dict = {}  # one per running event loop (a test may serve the same app from more than one)
 
@@ -248,7 +279,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         try:
             sp, stop, ignore_eos, stream, include_usage = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
-                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision)
+                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs)
         except ApiError as e:
             return err(e)
         loop = asyncio.get_running_loop()
@@ -264,9 +295,9 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if stream:
-            return StreamingResponse(_sse(request, engine, req, events, chat, created, model_name, include_usage),
-                                     media_type="text/event-stream")
-        text, last = [], None
+            return StreamingResponse(_sse(request, engine, req, events, chat, created, model_name, include_usage,
+                                          tokenizer), media_type="text/event-stream")
+        text, last, ids, entries = [], None, [], []
         try:
             while True:
                 try:
@@ -277,6 +308,9 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                         return Response(status_code=499)
                     continue
                 text.append(ev.text)
+                if ev.logprobs is not None:
+                    ids += ev.token_ids
+                    entries += ev.logprobs
                 if ev.finish_reason is not None:
                     last = ev
                     break
@@ -285,7 +319,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             raise
         if last.error is not None:
             return err(ApiError(400, last.error, "prompt"))
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": last.finish_reason,
+                  "logprobs": _logprobs_object(tokenizer, chat, sp.logprobs, ids, entries, 0)}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -304,22 +339,37 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
     return app
 
 
-async def _sse(request, engine, req, events, chat: bool, created: int, model_name: str, include_usage: bool):
-    obj = "chat.completion.chunk" if chat else "text_completion"
+def _logprobs_object(tokenizer, chat: bool, top: Optional[int], ids: list, entries: list, offset: int):
+    """A choice's ``logprobs`` (None when the request asked for none)."""
+    if top is None:
+        return None
+    if chat:
+        return chat_logprobs(tokenizer, ids, entries, top)
+    return completion_logprobs(tokenizer, ids, entries, top, offset)
 
-    def chunk(text: Optional[str], finish: Optional[str], first: bool = False) -> str:
+
+async def _sse(request, engine, req, events, chat: bool, created: int, model_name: str, include_usage: bool,
+               tokenizer):
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    sent = [0]  # characters of text streamed so far (completions' text_offset)
+
+    def chunk(text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None) -> str:
+        lp = None
+        if ev is not None and ev.logprobs is not None:
+            lp = _logprobs_object(tokenizer, chat, req.sampling.logprobs, ev.token_ids, ev.logprobs, sent[0])
+        sent[0] += len(text or "")
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         body = {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [choice]}
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def events_of(ev: Event, out: list) -> bool:
         """Append ``ev``'s SSE events to ``out``; True when it ends the stream."""
-        if ev.text:
-            out.append(chunk(ev.text, None))
+        if ev.text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
+            out.append(chunk(ev.text, None, ev=ev))
         if ev.error is not None:
             body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt", "code": None}}
             out.append(f"data: {json.dumps(body)}\n\n")
@@ -395,6 +445,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with prefix caching, do not keep finished answers while idle (by default the engine, when "
                          "no request runs or waits, prefills each answer on its kept prompt, so a conversation's next "
                          "turn prefills only its new message)")
+    ap.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                    help="the most top log-probabilities a request may ask per token (chat's top_logprobs, "
+                         "completions' logprobs)")
+    ap.add_argument("--no-logprobs", dest="logprobs", action="store_false",
+                    help="compile the programs without log-probabilities (a request asking for them is a 400)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -406,6 +461,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--multi-step-max-batch: expected an int >= 0 (0: every batch bucket), got {a.multi_step_max_batch}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
+    if a.max_logprobs < 0:
+        ap.error(f"--max-logprobs: expected an int >= 0, got {a.max_logprobs}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
     return a
@@ -424,6 +481,7 @@ def make_engine(a: argparse.Namespace):
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
+                          max_logprobs=a.max_logprobs if a.logprobs else None,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
@@ -462,7 +520,8 @@ def main(argv=None) -> int:
                     # with prefix caching a longer prompt is served when it begins with a kept one (else the
                     # insert refuses it, saying so)
                     max_prompt=None if backend.prefix is not None else backend.prompt_buckets[-1],
-                    spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision)
+                    spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision,
+                    max_logprobs=backend.max_logprobs)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import os
 import time
 from typing import Optional, Sequence
@@ -46,10 +45,12 @@ import numpy as np
 
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
-from jdspark.graphs import check_map_budget, memory_maps, merge_module, split_module
+from jdspark.graphs import check_map_budget, memory_maps, split_module
+from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import SamplingParams
-from jdspark.speculative import plain_step, prefill_stream, serving_pair, spec_step
+from jdspark.slot_programs import insert_row, step_rows
+from jdspark.speculative import prefill_stream, serving_pair
 from kimi import dispatch
 from kimi.prefill import chunked_positions
 
@@ -91,57 +92,6 @@ def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     return tuple(out + [n])
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk"), donate_argnames=("state",))
-def _insert(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-            media_PD=None, *, max_len, chunk=None):
-    """Prefill one request into ``slot``. ``media_PD``: the prompt's image features, padded to the prompt bucket
-    (a prompt of P tokens holds at most P placeholders), so one program serves every image prompt of a bucket."""
-    target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
-    sp = SamplingParams.rows(temp, top_k, top_p)
-    row, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD)
-    state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
-    return state, first
-
-
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps",
-                                             "extend_context"), donate_argnames=("state",))
-def _step(t_graph, d_graph, t_state, d_state, state, host_b5, *, width, confidence, all_slots=False, steps=1,
-          extend_context=True):
-    """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_b5``: float32 [b, 5],
-    per row its slot index, top_k, temperature, top_p and draft cap, the host's inputs packed into one array (the
-    integers are exact in float32 below 2^24): each array a launch takes from the host is a transfer of its own,
-    ~60 us apiece on the H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy
-    is written back, and copies compute the same thing. ``all_slots``: the rows are every slot in order, so the
-    state is stepped as it is (no gather of the rows and scatter back: ~2 x the state's bytes of copying).
-    ``steps`` > 1 (a ``lax.scan``): one launch, one gather and scatter and one read-back for several steps
-    (multi-step scheduling: the host's round trip per step is what a batch-1 step spends most on here).
-    ``extend_context`` False (width 1 only): the plain step leaves the drafter's context as it is (no drafter work
-    at all): for rows that never draft (draft cap 0 for their whole request)."""
-    target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
-    rows_b, topk_b, cap_b = (host_b5[:, j].astype(jnp.int32) for j in (0, 1, 4))
-    temp_b, topp_b = host_b5[:, 2], host_b5[:, 3]
-    sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
-    batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
-
-    def one(st, t, k, p, cap):
-        sp = SamplingParams.rows(t, k, p, batch)
-        if drafter is None or width == 1:  # extending the context of rows that draft on later steps
-            return plain_step(target, st, sp, drafter if extend_context else None)
-        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence)
-
-    def mapped(rows_state, _=None):
-        with dispatch.mapped_rows(int(rows_b.shape[0])):
-            return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, cap_b)
-
-    if steps == 1:
-        new, out = mapped(sub)
-        out = jax.tree.map(lambda x: x[None], out)
-    else:
-        new, out = jax.lax.scan(mapped, sub, None, length=steps)
-    state = new if all_slots else jax.tree.map(lambda s, n: s.at[rows_b].set(n), state, new)
-    return state, out
-
-
 class SlotBackend:
     """``Backend`` of ``jdspark.engine`` over a target (and optional DSpark drafter)."""
 
@@ -150,7 +100,8 @@ class SlotBackend:
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
-                 prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True):
+                 prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
+                 max_logprobs: Optional[int] = None):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -189,8 +140,13 @@ class SlotBackend:
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
         self.prefix_answers = bool(prefix_answers)  # keep finished answers while idle (``keep_answer``)
         self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)
-        self.params = np.zeros((self.num_slots, 4), np.float64)  # temperature, top_k, top_p, draft cap
-        self.params[:, 2] = 1.0
+        # log-probabilities (``jdspark.logprobs``): None, not compiled in; N, up to N top entries a token
+        if max_logprobs is not None and not 0 <= int(max_logprobs) <= self.cfg.vocab_size:
+            raise ValueError(f"max_logprobs: expected None or 0..{self.cfg.vocab_size}, got {max_logprobs}")
+        self.max_logprobs = None if max_logprobs is None else int(max_logprobs)
+        # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none)
+        self.params = np.zeros((self.num_slots, 5), np.float64)
+        self.params[:, 2], self.params[:, 4] = 1.0, -1
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
         if adaptive and not self.adaptive:
@@ -250,27 +206,36 @@ class SlotBackend:
         padded[0, :n - cached] = req.prompt_ids[cached:]
         media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
         cap = self.G if req.speculative else 0
+        top = -1 if req.logprobs is None else int(req.logprobs)
+        if top > (-1 if self.max_logprobs is None else self.max_logprobs):
+            raise ValueError(f"logprobs: {top} top entries asked; this backend serves "
+                             + ("none" if self.max_logprobs is None else f"at most {self.max_logprobs}"))
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap)
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         if hit is None:
             # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
             chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-            first = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk)
+            first, *lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk)
         else:
-            first = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
+            first, *lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
-        return StepOutput([int(np.asarray(first)[0])], cached=cached)
+        entries = None
+        if top >= 0:
+            lp = jax.device_get(lp[0])
+            entries = host_entries(lp.chosen_K, lp.top_ids_KL, lp.top_KL, 1, top)
+        return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
                 top_p: float):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
-        (the state donated and replaced); the first token [1]."""
-        self.state, first = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p))
+        (the state donated and replaced): (the first token [1], and its ``TokenLogprobs`` where they are served)."""
+        self.state, *first = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p),
+                                    logprobs=self.max_logprobs)
         return first
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
@@ -284,17 +249,18 @@ class SlotBackend:
                  media_PD, chunk):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
-        ~45 us each here)."""
+        ~45 us each here). Returns as ``_extend``."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk)
-        self.state, first = _insert(*args, **kw)
+        self.state, *first = insert_row(*args, **kw)
         return first
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
                      media_PD, chunk) -> tuple:
-        """``_insert``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
+        """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
-                 np.int32(top_k), np.float32(top_p), media_PD), dict(max_len=self.max_len, chunk=chunk))
+                 np.int32(top_k), np.float32(top_p), media_PD),
+                dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs))
 
     def _media(self, req: SamplingRequest, P: int):
         """The request's image features padded to [P, D] (rows past its M placeholders unused), or None for a
@@ -380,30 +346,31 @@ class SlotBackend:
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
         launched = time.perf_counter()
         args, kw = self._step_args(rows, W, steps)
-        extend = kw["extend_context"]
-        self.state, out = _step(*args, **kw)
+        extend, tops = kw["extend_context"], [int(self.params[s, 4]) for s in slots]
+        self.state, out = step_rows(*args, **kw)
         self.width_counts[W] += steps
         self.launch_steps[steps] += 1
         self.ran(b, W)
         return {"out": out, "slots": slots, "b": b, "W": W, "all_slots": all_slots, "launched": launched,
                 "steps": steps, "extend": extend,
                 # the cost table is of steps that keep the drafter's context (adaptive schedules drafting rows)
-                "timed": width is None and extend,
+                # and compute no log-probabilities
+                "timed": width is None and extend and max(tops) < 0, "tops": tops,
                 "inserts": [self.inserts[s] for s in slots], "prefills": sum(self.inserts)}
 
     def _step_args(self, rows: np.ndarray, W: int, steps: int, caps: Optional[np.ndarray] = None) -> tuple:
-        """``_step``'s arguments for the rows ``rows`` (slot indices, a whole batch bucket) at width W (draft caps
+        """``step_rows``' arguments for the rows ``rows`` (slot indices, a whole batch bucket) at width W (draft caps
         ``caps``, default the rows' own): the one place a launch and the ahead-of-time compile of ``warm_up`` build
         them, so both name the same program."""
         caps = self.params[rows, 3] if caps is None else caps
         # rows that never draft (cap 0: ``speculative: false``, free slots) need no drafter context: a plain step of
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
-        host_b5 = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps]).astype(np.float32)
-        return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_b5),
+        host_bC = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
+                                   caps, self.params[rows, 4] >= 0]).astype(np.float32)  # slot_programs.HOST_COLUMNS
+        return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
-                     steps=int(steps), extend_context=extend))
+                     steps=int(steps), extend_context=extend, logprobs=self.max_logprobs))
 
     def collect(self, h: dict) -> dict:
         """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
@@ -427,14 +394,19 @@ class SlotBackend:
         new = np.asarray(new).reshape(k_steps, b, -1)
         n_new, drafted, accepted = (np.asarray(x).reshape(k_steps, -1) for x in (n_new, drafted, accepted))
         surv = None if surv is None else np.asarray(surv).reshape(k_steps, b, -1)
+        lp = None
+        if max(h["tops"]) >= 0:  # some row asked: its tokens' log-probabilities (``jdspark.logprobs``)
+            lp = [np.asarray(x).reshape(k_steps, b, *x.shape[2:]) for x in jax.device_get(
+                (out.logprobs.chosen_K, out.logprobs.top_ids_KL, out.logprobs.top_KL))]
         res = {}
-        for j, (s, ins) in enumerate(zip(h["slots"], h["inserts"])):
+        for j, (s, ins, top) in enumerate(zip(h["slots"], h["inserts"], h["tops"])):
             i = s if h["all_slots"] else j
             res[s] = []
             for t in range(k_steps):
                 k = int(n_new[t, i])
+                entries = None if top < 0 else host_entries(*(x[t, i] for x in lp), k, top)
                 res[s].append(StepOutput(new[t, i, :k].tolist(), drafted=int(drafted[t, i]),
-                                         accepted=int(accepted[t, i]), verified=W))
+                                         accepted=int(accepted[t, i]), verified=W, logprobs=entries))
                 if self.params[s, 3] > 0 and ins == self.inserts[s]:
                     if surv is not None:
                         self.tracker.observe(s, surv[t, i], int(drafted[t, i]), int(accepted[t, i]))
@@ -451,7 +423,7 @@ class SlotBackend:
         return (0, self.G) if self.drafter is not None else (0,)
 
     def free(self, slot: int) -> None:
-        self.params[slot] = (0.0, 0, 1.0, 0)
+        self.params[slot] = (0.0, 0, 1.0, 0, -1)
 
     # ------------------------------------------------------------------ answers kept while idle (``jdspark.prefix``)
     def keep_answer(self, req: SamplingRequest, answer_ids: Sequence[int]) -> None:
@@ -494,10 +466,11 @@ class SlotBackend:
         out = []
         for P in self.prompt_buckets:
             padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
-            out.append((_insert, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
+            out.append((insert_row, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
                                                     dispatch.prefill_chunk(P, self.prefill_chunk))))
             if self.prefix is not None:  # a prefix-cache hit's extension of this bucket
-                out.append((extend, self._extend_args(0, 0, padded, P, 0, 0.0, 0, 1.0), {}))
+                out.append((extend, self._extend_args(0, 0, padded, P, 0, 0.0, 0, 1.0),
+                            dict(logprobs=self.max_logprobs)))
         if self.prefix is not None:
             out.append((snapshot, (self.pool, self.state, np.int32(0), np.int32(0)), {}))
         for b in self.batch_buckets:
@@ -505,7 +478,7 @@ class SlotBackend:
             for w in self.widths:
                 for cap in self.program_caps(w):
                     for k in sorted({1, self.steps_for(b)}):
-                        out.append((_step, *self._step_args(rows, w, k, caps=np.full(b, float(cap)))))
+                        out.append((step_rows, *self._step_args(rows, w, k, caps=np.full(b, float(cap)))))
         return out
 
     def compile_all(self, threads: Optional[int] = None) -> int:

@@ -31,6 +31,7 @@ from jax.experimental import io_callback
 from jdspark import rng
 from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
+from jdspark.logprobs import TokenLogprobs, token_logprobs, when
 from jdspark.sampling import SamplingParams, accept, propose, sample, unless_greedy
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
@@ -99,6 +100,7 @@ class StepOut:
     accepted: jax.Array  # int32: drafts accepted
     survival: Optional[jax.Array] = None  # [max(W - 1, 1)] fp32: a_k = prod_{i<=k} sigmoid(c_i) of the drafts
     # drafted (the whole block at the default width), if asked
+    logprobs: Optional[TokenLogprobs] = None  # of new_K's tokens (``jdspark.logprobs``), if asked
 
 
 @jax.tree_util.register_dataclass
@@ -255,14 +257,17 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 
 
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
-                   chunk: Optional[int] = None, media_MD=None):
+                   chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
 
     ``chunk`` (static; ``kimi.dispatch.prefill_chunk`` decides): None, one pass; C, ``kimi.prefill.prefill_chunked``
     in chunks of C (the caches must hold ``chunked_positions(P, C)``), each chunk's taps appended to the drafter's
-    context inside the chunk loop, so the whole prompt's activations and taps never exist at once."""
+    context inside the chunk loop, so the whole prompt's activations and taps never exist at once.
+
+    ``logprobs`` (static): also return the first token's ``jdspark.logprobs.TokenLogprobs`` with that many top
+    entries, as a third item."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
@@ -289,10 +294,13 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         last_logits = last_1V[0]
     k0, key = rng.split(key)
     first = sample(k0, last_logits[None], sp)
+    if logprobs is not None:
+        return Stream(first, cache, dcache, key), first, token_logprobs(last_logits[None], first, logprobs)
     return Stream(first, cache, dcache, key), first
 
 
-def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams):
+def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
+                  logprobs: Optional[int] = None):
     """Prefill ``ext_len`` more prompt tokens (right-padded [1, E]) on top of a stream whose caches already hold a
     prefix of the prompt (a prefix-cache hit: ``jdspark.prefix``): (Stream, first token [1]), as ``prefill_stream``
     of the whole prompt would give up to float reassociation (one chunk of E on the cached state, the chunked
@@ -302,7 +310,7 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
         cache, dcache <- prefill_chunked(ext, cache = row.cache, chunk = E)   MLA attends to the prefix's latents,
                                                                             KDA and conv continue their state
         the drafter's context gets the extension's taps at positions n .. n + ext_len - 1 (n = the prefix's length)
-    The cache must hold n + E positions (the caller checks)."""
+    The cache must hold n + E positions (the caller checks). ``logprobs``: as ``prefill_stream``'s."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     E = ext_1E.shape[1]
     base_1 = row.cache.length
@@ -316,16 +324,22 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
                                              taps_init=row.dcache)
     k0, key = rng.split(key)
     first = sample(k0, last_1V, sp)
+    if logprobs is not None:
+        return Stream(first, cache, dcache, key), first, token_logprobs(last_1V, first, logprobs)
     return Stream(first, cache, dcache, key), first
 
 
-def plain_step(target, st: Stream, sp: SamplingParams, drafter=None):
+def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: Optional[int] = None,
+               want_logprobs=None):
     """One target decode of the anchor: (Stream, StepOut) with one new token.
 
     ``drafter`` (a stream that drafts on other steps: a serving slot whose scheduler chose a plain step): the
     decoded position's taps are appended to the drafter's context too, as a verified block's are, so the next
     block reads every committed position. Without it each plain step left a hole in the context, the drafts after
-    a run of plain steps got worse, and adaptive verification, seeing them fail, stepped plainly again."""
+    a run of plain steps got worse, and adaptive verification, seeing them fail, stepped plainly again.
+
+    ``logprobs`` (static; None: not computed): the new token's ``TokenLogprobs`` with that many top entries, where
+    ``want_logprobs`` (a scalar of the whole batch; None: always) says so (``jdspark.logprobs.when``)."""
     key, k = rng.split(st.key)
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     with jax.named_scope("decode"):  # the phase's name in profiles (scripts/bench_profile.py)
@@ -337,18 +351,20 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None):
         with jax.named_scope("append_context"):
             dcache = drafter.append_context(st.dcache, res.taps, 1, start_pos=st.cache.length)
     one = jnp.int32(1)
-    return Stream(nxt, res.cache, dcache, key), StepOut(nxt, one, jnp.int32(0), jnp.int32(0))
+    lp = None if logprobs is None else when(want_logprobs, res.logits.reshape(1, -1), nxt, logprobs)
+    return Stream(nxt, res.cache, dcache, key), StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp)
 
 
 def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float = 0.0, width=None,
-              max_drafts=None, confidence: bool = False):
+              max_drafts=None, confidence: bool = False, logprobs: Optional[int] = None, want_logprobs=None):
     """One fused draft -> verify -> accept -> commit step of one stream (see the module docstring).
 
     ``width`` (static; default G + 1): the verified block's length, anchor included (a serving engine compiles a
     few widths and picks one per step); ``max_drafts`` (traced, optional): verify at most this many drafts (0: the
     step is a plain decode inside the block), fixed before the step's drafts are drawn (lossless under sampling);
     ``confidence`` (static): also return the confidence head's survival of this block's max(W - 1, 1) drafts (an
-    adaptive scheduler reads it to choose the next step's width; only those drafts are decoded, ``draft_block``).
+    adaptive scheduler reads it to choose the next step's width; only those drafts are decoded, ``draft_block``);
+    ``logprobs`` / ``want_logprobs``: as ``plain_step``'s (token j of new_K reads the verified logits at j).
     Returns (Stream, StepOut with new_K of ``width`` tokens)."""
     G = drafter.config.block_size
     W = G + 1 if width is None else int(width)
@@ -376,7 +392,8 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     with jax.named_scope("append_context"):
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
-    return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m, survival)
+    lp = None if logprobs is None else when(want_logprobs, ver.logits[0], new, logprobs)
+    return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m, survival, lp)
 
 
 _generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12))  # eos_id traced: one program

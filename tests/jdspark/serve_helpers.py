@@ -1,7 +1,8 @@
 """A real uvicorn server on a loopback port over the real Engine and HTTP app, with a scripted backend (the model
 is replaced, nothing else): the backend's token for slot s after token t is (t + 1) % 256, so a request's text is
 known in advance; ``gate`` pauses steps (to fill the queue), ``drafts`` fakes acceptance per step; every insert
-says half its prompt came from the prefix cache."""
+says half its prompt came from the prefix cache; a request that asks for log-probabilities gets ``scripted_logprob``'s
+(known in advance too)."""
 
 import socket
 import threading
@@ -15,10 +16,16 @@ from jdspark.serve_metrics import ServeMetrics
 from kimi.tokenizer import ByteTokenizer
 
 
+def scripted_logprob(t: int, top: int) -> tuple:
+    """The scripted backend's log-probability entry of token t: (logprob, [(id, logprob)] * top), t the likeliest."""
+    lp = -0.05 - (t % 7) / 10
+    return lp, [((t + j) % 256, lp - j) for j in range(top)]
+
+
 class ScriptedBackend:
     def __init__(self, num_slots, tokens_per_step=3, eos=None):
         self.num_slots, self.k, self.eos = num_slots, tokens_per_step, eos
-        self.last = {}
+        self.last, self.top = {}, {}
         self.gate = threading.Event()
         self.gate.set()
         self.inserted, self.freed = [], []
@@ -31,7 +38,13 @@ class ScriptedBackend:
             raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
         self.last[slot] = (req.prompt_ids[-1] + 1) % 256
-        return StepOutput([self.last[slot]], cached=len(req.prompt_ids) // 2)  # as if half were kept
+        self.top[slot] = req.logprobs
+        return StepOutput([self.last[slot]], cached=len(req.prompt_ids) // 2,  # as if half were kept
+                          logprobs=self._logprobs(slot, [self.last[slot]]))
+
+    def _logprobs(self, slot, toks):
+        top = self.top[slot]
+        return None if top is None else [scripted_logprob(t, top) for t in toks]
 
     def step(self, slots):
         self.gate.wait()
@@ -42,7 +55,8 @@ class ScriptedBackend:
             for _ in range(self.k):
                 self.last[s] = (self.last[s] + 1) % 256
                 toks.append(self.last[s])
-            out[s] = StepOutput(toks, drafted=self.k + 1, accepted=self.k - 1, verified=self.k + 2)
+            out[s] = StepOutput(toks, drafted=self.k + 1, accepted=self.k - 1, verified=self.k + 2,
+                                logprobs=self._logprobs(s, toks))
         return out
 
     def free(self, slot):
@@ -59,7 +73,7 @@ class LiveServer:
                              metrics=self.metrics).start()
         app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
                         max_context=max_context, metrics=self.metrics,
-                        spec_modes=("fixed",))  # as a server started with --spec fixed
+                        spec_modes=("fixed",), max_logprobs=5)  # as a server started with --spec fixed
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -11,8 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
+from jdspark.serve import ApiError, parse_completion
 from kimi.tokenizer import ByteTokenizer
-from tests.jdspark.serve_helpers import LiveServer, expected_text
+from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,9 @@ BAD = [
     ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),
     ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
     ({"prompt": "x", "n": 2}, "'n' = 2 is not supported", "n", 400),
-    ({"prompt": "x", "logprobs": 0}, "'logprobs' = 0 is not supported", "logprobs", 400),
+    ({"prompt": "x", "echo": True}, "'echo' = true is not supported", "echo", 400),
+    ({"prompt": "x", "logprobs": 6}, "'logprobs' must be an integer in 0..5, got 6", "logprobs", 400),
+    ({"prompt": "x", "logprobs": True}, "'logprobs' must be an integer in 0..5, got a boolean", "logprobs", 400),
     ({"prompt": "x", "presence_penalty": 0.5}, "'presence_penalty' = 0.5 is not supported", "presence_penalty", 400),
     ({"prompt": "x", "logit_bias": {"5": 10}}, "'logit_bias'", "logit_bias", 400),
 ]
@@ -149,6 +152,72 @@ def test_a_request_the_backend_refuses_ends_alone(srv):
 def test_bad_chat_messages(srv):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user"}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, param, message in [({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
+                                  ({"logprobs": 1}, "logprobs", "must be a boolean"),
+                                  ({"logprobs": True, "top_logprobs": 9}, "top_logprobs", "integer in 0..5")]:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
+def _sse_chunks(srv, path, body):
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}) as r:
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+
+
+def test_logprobs_of_completions_and_chat_streamed_and_not(srv):
+    """Each generated token's entry as the backend gave it, in the API's two shapes; streamed chunks carry the
+    entries of their own tokens, which join to the whole answer's; a stop string's cut keeps one entry a token."""
+    body = {"prompt": "abc", "max_tokens": 7, "ignore_eos": True, "logprobs": 2}
+    r = httpx.post(srv.url + "/v1/completions", json=body).json()
+    lp, text = r["choices"][0]["logprobs"], r["choices"][0]["text"]
+    ids = [ord("d") + i for i in range(7)]
+    assert lp["tokens"] == list(text) and len(text) == 7
+    assert lp["token_logprobs"] == [scripted_logprob(t, 2)[0] for t in ids]
+    assert lp["top_logprobs"] == [{chr(j): v for j, v in scripted_logprob(t, 2)[1]} for t in ids]
+    assert lp["text_offset"] == list(range(7))
+    chunks = _sse_chunks(srv, "/v1/completions", body)
+    joined = {k: [] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for c in chunks:
+        if c["choices"] and c["choices"][0]["logprobs"]:
+            for k in joined:
+                joined[k] += c["choices"][0]["logprobs"][k]
+    assert joined == lp and sum(bool(c["choices"] and c["choices"][0]["logprobs"]) for c in chunks) >= 3
+    # logprobs 0: each token's own log-probability, no alternatives; no logprobs asked: null
+    r0 = httpx.post(srv.url + "/v1/completions", json={**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert r0["top_logprobs"] is None and r0["token_logprobs"] == lp["token_logprobs"]
+    assert httpx.post(srv.url + "/v1/completions", json={**body, "logprobs": None}).json()["choices"][0][
+        "logprobs"] is None
+    cut = httpx.post(srv.url + "/v1/completions", json={**body, "stop": "fg"}).json()
+    assert cut["choices"][0]["text"] == "de" and cut["usage"]["completion_tokens"] == 4
+    assert cut["choices"][0]["logprobs"]["tokens"] == ["d", "e", "f", "g"]  # the tokens served, the cut included
+
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"messages": msgs, "max_tokens": 5, "logprobs": True, "top_logprobs": 3}
+    c = httpx.post(srv.url + "/v1/chat/completions", json=chat).json()["choices"][0]
+    first = ord(srv.tok.apply_chat_template(msgs)[-1]) + 1
+    want = []
+    for t in range(first, first + 5):
+        v, tops = scripted_logprob(t, 3)
+        want.append({"token": chr(t), "logprob": v, "bytes": [t],
+                     "top_logprobs": [{"token": chr(j), "logprob": w, "bytes": [j]} for j, w in tops]})
+    assert c["logprobs"] == {"content": want}
+    streamed = [e for ch in _sse_chunks(srv, "/v1/chat/completions", chat) if ch["choices"]
+                and ch["choices"][0]["logprobs"] for e in ch["choices"][0]["logprobs"]["content"]]
+    assert streamed == want
+    plain = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_a_server_without_logprobs_refuses_them():
+    tok = ByteTokenizer()
+    kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=1024, model_name="m", max_logprobs=None)
+    for body, chat in [({"prompt": "x", "logprobs": 0}, False),
+                       ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, True)]:
+        with pytest.raises(ApiError, match="log-probabilities") as e:
+            parse_completion(body, chat=chat, **kw)
+        assert e.value.status == 400 and e.value.param == "logprobs"
+    assert parse_completion({"prompt": "x", "logprobs": None}, **kw)[0].logprobs is None
 
 
 def _wait_for(srv, name, value, timeout=10):

@@ -391,7 +391,7 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     from jax import monitoring
 
     from jdspark import prefix
-    from jdspark.slots import _insert
+    from jdspark.slot_programs import insert_row as _insert
 
     target, drafter, _ = pair
     be = SlotBackend(target, drafter, num_slots=12, max_len=96, prompt_buckets=(16, 32), batch_buckets=(12,),

@@ -1,0 +1,107 @@
+"""Log-probabilities of the committed tokens (the OpenAI API's ``logprobs``), computed inside a serving step.
+
+For a committed token t at a position whose target logits are z [V]:
+
+    logprob(t) = z_t - logsumexp(z)          (fp32; the target's own distribution, before temperature, top-k,
+                                              top-p: vLLM's default "raw_logprobs" and what OpenAI reports)
+    top L      = the L largest log_softmax(z) entries and their ids, most likely first (``jax.lax.top_k``:
+                 ties keep the lower id first)
+
+A speculative step commits the accepted drafts and one more token from the logits of the positions it verified:
+token j of the step (j <= accepted) reads the verified block's logits at position j (the target's prediction
+after the anchor and drafts 1..j), so a token's logprob is the same whichever way it was committed (accepted
+draft, resampled at a rejection, bonus, plain decode): the target's logits at that position of the sequence.
+
+A serving program computes them only when some row of the batch asks (``when``: a ``lax.cond`` on a predicate of
+the whole batch, taken outside the rows' ``vmap``, so a batch without such a row skips the work): the step's
+cost is unchanged for traffic that does not ask. The host turns the arrays into per-token entries
+(``host_entries``) and the server into the API's two shapes (``completion_logprobs``, ``chat_logprobs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["MAX_LOGPROBS", "TokenLogprobs", "token_logprobs", "when", "host_entries", "completion_logprobs",
+           "chat_logprobs"]
+
+# The most top entries a request may ask per token (OpenAI's cap on ``top_logprobs``; vLLM's default
+# ``max_logprobs``): a serving program computes this many for every row that asks, the host keeps each request's.
+MAX_LOGPROBS = 20
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenLogprobs:
+    """Per committed position K: the token's log-probability and the L most likely tokens' (ids, log-probs)."""
+    chosen_K: jax.Array  # [K] fp32
+    top_ids_KL: jax.Array  # [K, L] int32
+    top_KL: jax.Array  # [K, L] fp32
+
+
+def token_logprobs(logits_KV, tokens_K, top: int) -> TokenLogprobs:
+    """``logprob(tokens_K[k])`` under ``log_softmax(logits_KV[k])`` and its ``top`` largest entries (module doc)."""
+    logp_KV = jax.nn.log_softmax(logits_KV.astype(jnp.float32), axis=-1)
+    chosen_K = jnp.take_along_axis(logp_KV, tokens_K.astype(jnp.int32)[:, None], axis=-1)[:, 0]
+    top_KL, ids_KL = jax.lax.top_k(logp_KV, top)
+    return TokenLogprobs(chosen_K, ids_KL.astype(jnp.int32), top_KL)
+
+
+def when(flag, logits_KV, tokens_K, top: int) -> TokenLogprobs:
+    """``token_logprobs`` where ``flag`` (a scalar of the whole batch; None: always), else zeros of its shapes."""
+    def compute():
+        return token_logprobs(logits_KV, tokens_K, top)
+
+    if flag is None:
+        return compute()
+    K = tokens_K.shape[0]
+    return jax.lax.cond(flag, compute, lambda: TokenLogprobs(jnp.zeros((K,), jnp.float32),
+                                                             jnp.zeros((K, top), jnp.int32),
+                                                             jnp.zeros((K, top), jnp.float32)))
+
+
+def host_entries(chosen_K: np.ndarray, top_ids_KL: np.ndarray, top_KL: np.ndarray, n: int, top: int) -> list:
+    """The first ``n`` positions as [(logprob, [(id, logprob), ...top of them]), ...] (Python numbers)."""
+    return [(float(chosen_K[k]), [(int(i), float(v)) for i, v in zip(top_ids_KL[k, :top], top_KL[k, :top])])
+            for k in range(n)]
+
+
+def _token(tokenizer, i: int) -> tuple:
+    """(text, bytes) of one token: its bytes decoded on their own (a piece of a character reads U+FFFD; ``bytes``
+    carries the exact ones, as OpenAI's API does)."""
+    b = tokenizer.token_bytes(int(i))
+    return b.decode("utf-8", errors="replace"), list(b)
+
+
+def completion_logprobs(tokenizer, token_ids: Sequence[int], entries: Sequence[tuple], top: int,
+                        text_offset: int = 0) -> Optional[dict]:
+    """``/v1/completions``' ``logprobs`` object: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    (``top_logprobs`` a {token: logprob} per token; None when the request asked for 0 of them)."""
+    tokens, offsets, pos = [], [], text_offset
+    for i in token_ids:
+        text, _ = _token(tokenizer, i)
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{_token(tokenizer, j)[0]: v for j, v in tops[:top]} for _, tops in entries]
+            if top > 0 else None, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: Sequence[int], entries: Sequence[tuple], top: int) -> dict:
+    """``/v1/chat/completions``' ``logprobs`` object: {"content": [{"token", "logprob", "bytes", "top_logprobs":
+    [{"token", "logprob", "bytes"}, ...]}, ...]}."""
+    content = []
+    for i, (lp, tops) in zip(token_ids, entries):
+        text, b = _token(tokenizer, i)
+        alts = []
+        for j, v in tops[:top]:
+            t, bj = _token(tokenizer, j)
+            alts.append({"token": t, "logprob": v, "bytes": bj})
+        content.append({"token": text, "logprob": lp, "bytes": b, "top_logprobs": alts})
+    return {"content": content}

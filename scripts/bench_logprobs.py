@@ -1,0 +1,139 @@
+"""What serving log-probabilities costs a step, per batch bucket and verify width (JSON).
+
+  python scripts/bench_logprobs.py --json                       # the shipped pair, batches 1 and 16, W = 1 and G + 1
+
+Three arms, each a ``SlotBackend`` (``jdspark/slots.py``) of the same pair with every slot filled by a held-out
+prompt, steps launched back to back as the engine pipelines them (ms per step):
+
+    off       compiled without log-probabilities (``max_logprobs=None``: ``--no-logprobs``)
+    unasked   compiled with them (``max_logprobs=20``, the server's default) and no row asking: what a server
+              that offers them costs the traffic that does not use them (the branch is skipped,
+              ``jdspark.logprobs.when``)
+    asked     the same backend with every row asking for 20 top entries a token (device work, the read-back and
+              the host's entries, ``SlotBackend.collect``)
+
+The arms' rounds interleave (each round times every arm, the order rotating) and each ratio is the median of the
+rounds' ratios taken side by side (this machine's speed drifts by more than the effect within a minute). W = 1
+steps are of drafting rows (adaptive's plain steps). ``compile_s`` / ``memory_maps``: what compiling the
+(largest batch, widest) step program took and added to the process, per arm's backend (the server's start-up
+compiles ~45 programs; ``jdspark.graphs.check_map_budget``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+ARMS = ("off", "unasked", "asked")
+
+
+def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
+        top: int = 20) -> dict:
+    from jdspark.engine import SamplingRequest
+    from jdspark.graphs import memory_maps
+    from jdspark.slot_programs import step_rows
+    from jdspark.slots import SlotBackend
+
+    P = max(len(p) for p in prompts)
+    G = drafter.config.block_size if drafter is not None else 0
+    if (iters + 1) * max(widths) > max_len - P - G - 2:
+        raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
+                         f"after a {P}-token prompt; raise --max-len or lower --iters")
+    backends = {m: SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,),
+                               prefix_pool=0, max_logprobs=None if m == "off" else top) for m in ("off", "on")}
+    compiled = {}
+    for m, be in backends.items():  # the dearest program, compiled alone: its time and memory maps
+        b, w = max(batches), max(widths)
+        before, t0 = memory_maps(), time.perf_counter()
+        args, kw = be._step_args(np.arange(b, dtype=np.int32), w, 1, caps=np.full(b, float(be.G)))
+        step_rows.lower(*args, **kw).compile()
+        after = memory_maps()
+        compiled[m] = {"compile_s": time.perf_counter() - t0,
+                       "memory_maps": None if before is None or after is None else after[0] - before[0]}
+
+    def arm_backend(arm):
+        return backends["off" if arm == "off" else "on"]
+
+    def refill(arm, n):
+        be = arm_backend(arm)
+        for s in range(n):
+            be.insert(s, SamplingRequest(tuple(prompts[s % len(prompts)]), 1, seed=s,
+                                         logprobs=top if arm == "asked" else None))
+            be.params[s, 3] = be.G  # drafting rows: W = 1 is adaptive's plain step
+
+    cells = []
+    for b in batches:
+        for w in widths:
+            ms = {a: [] for a in ARMS}
+            for r in range(repeats + 1):
+                for arm in ARMS[r % 3:] + ARMS[:r % 3]:
+                    be = arm_backend(arm)
+                    refill(arm, b)
+                    rows = list(range(b))
+                    if r == 0:  # compiles
+                        be.collect(be.launch(rows, width=w))
+                        continue
+                    t0 = time.perf_counter()
+                    for h in [be.launch(rows, width=w) for _ in range(iters)]:
+                        be.collect(h)
+                    ms[arm].append((time.perf_counter() - t0) / iters * 1e3)
+            cell = {"batch": b, "width": w, **{f"{a}_ms": float(np.median(ms[a])) for a in ARMS}}
+            for a in ("unasked", "asked"):
+                cell[f"{a}_over_off"] = float(np.median([x / y for x, y in zip(ms[a], ms["off"])]))
+            cells.append(cell)
+    for be in backends.values():
+        for s in range(slots):
+            be.free(s)
+    return {"cells": cells, "top_logprobs": top, "slots": slots, "max_len": max_len, "prompt_len": P,
+            "iters": iters, "repeats": repeats, "compiled": compiled}
+
+
+def main(argv=None) -> int:
+    import generate as gen
+
+    from jdspark import data as jdata
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default=gen.DEFAULT_DIR)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=320)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--widths", default=None, help="default: 1 and the drafter's whole block")
+    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    target, drafter, note = gen.load_pair(a.checkpoint)
+    print(f"[bench_logprobs] {note}", file=sys.stderr)
+    tok = gen.load_tokenizer(a.checkpoint, target.config)
+    batches = [int(x) for x in a.batches.split(",")]
+    if any(b < 1 or b > a.slots for b in batches):
+        ap.error(f"--batches: each in 1..{a.slots}")
+    G = drafter.config.block_size if drafter is not None else 0
+    widths = [int(x) for x in a.widths.split(",")] if a.widths else sorted({1, G + 1})
+    prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
+    res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
+              iters=a.iters, repeats=a.repeats)
+    for c in res["cells"]:
+        print(f"[bench_logprobs] b={c['batch']:2d} W={c['width']}: off {c['off_ms']:7.2f} ms/step, unasked "
+              f"{c['unasked_over_off']:.3f}x, asked {c['asked_over_off']:.3f}x", file=sys.stderr)
+    for m, c in res["compiled"].items():
+        print(f"[bench_logprobs] widest step compiled {m}: {c['compile_s']:.1f} s, {c['memory_maps']} maps",
+              file=sys.stderr)
+    if a.json:
+        print(json.dumps(res, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

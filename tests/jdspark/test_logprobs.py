@@ -1,0 +1,104 @@
+"""Log-probabilities of served tokens (``jdspark.logprobs``): the device form against NumPy, then a served
+request's entries against an independent computation, the target's prefill of prompt + completion (every
+position's logits in one pass), for greedy and sampled requests whose drafts were both accepted and rejected,
+speculation off, a first token from a prefix-cache hit, and a request without them beside the others."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kimi
+from jdspark.engine import Engine, Request, SamplingRequest
+from jdspark.logprobs import host_entries, token_logprobs, when
+from jdspark.slots import SlotBackend
+from kimi.tokenizer import ByteTokenizer
+from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def test_token_logprobs_equal_numpy_and_skip_when_not_asked():
+    rng = np.random.default_rng(0)
+    logits = (rng.normal(size=(5, 37)) * 3).astype(np.float32)
+    toks = rng.integers(0, 37, 5).astype(np.int32)
+    ref = _log_softmax(logits)
+    lp = token_logprobs(jnp.asarray(logits), jnp.asarray(toks), 4)
+    np.testing.assert_allclose(lp.chosen_K, ref[np.arange(5), toks], atol=1e-5)
+    order = np.argsort(-ref, axis=-1, kind="stable")[:, :4]
+    assert (np.asarray(lp.top_ids_KL) == order).all()
+    np.testing.assert_allclose(lp.top_KL, np.take_along_axis(ref, order, -1), atol=1e-5)
+    fn = jax.jit(lambda flag: when(flag, jnp.asarray(logits), jnp.asarray(toks), 4))
+    off, on = fn(False), fn(True)
+    assert not np.asarray(off.chosen_K).any() and not np.asarray(off.top_ids_KL).any()
+    np.testing.assert_array_equal(on.top_ids_KL, lp.top_ids_KL)
+    e = host_entries(np.asarray(lp.chosen_K), np.asarray(lp.top_ids_KL), np.asarray(lp.top_KL), 2, 3)
+    assert len(e) == 2 and len(e[1][1]) == 3 and e[1][1][0][0] == int(order[1, 0])
+    assert e[0][0] == pytest.approx(float(ref[0, toks[0]]), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """test_slots.py's tiny pair: a built target whose context matters, a drafter whose drafts are partly wrong."""
+    cfg = kimi.KimiConfig.tiny(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts=16)
+    target = scaled_target(cfg, 0.3, seed=5)
+    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0, seed=5)), 0.2, 4.0, seed=5)
+    return target, drafter
+
+
+def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
+    target, drafter = pair
+    be = SlotBackend(target, drafter, num_slots=2, max_len=96, prompt_buckets=(32,), batch_buckets=(2,),
+                     multi_step=2, multi_step_max_batch=2, prefix_pool=2, prefix_min_tokens=8, max_logprobs=3)
+    eng = Engine(be, ByteTokenizer(), eos_token_id=None, max_waiting=8).start()
+    rng = np.random.default_rng(1)
+    base = [1] + rng.integers(3, 64, 19).tolist()
+    asks = [  # (prompt, max_tokens, sampling, logprobs asked)
+        (base, 24, dict(), 3),
+        (base + rng.integers(3, 64, 6).tolist(), 20, dict(temperature=1.0, seed=7), 2),  # a prefix-cache hit
+        ([1] + rng.integers(3, 64, 14).tolist(), 16, dict(speculative=False), 0),
+        ([1] + rng.integers(3, 64, 11).tolist(), 18, dict(temperature=0.8, top_p=0.9, seed=3), None),
+        ([1] + rng.integers(3, 64, 17).tolist(), 22, dict(temperature=1.0, top_k=5, seed=2), 1),
+    ]
+    got = []
+    try:
+        for prompt, n, kw, top in asks:
+            events = []
+            req = eng.submit(Request(SamplingRequest(tuple(prompt), n, logprobs=top, **kw), events.append,
+                                     ignore_eos=True))
+            got.append((req, events))
+        deadline = time.time() + 300
+        while not all(r.finished for r, _ in got):
+            assert time.time() < deadline and eng.error is None, eng.error
+            time.sleep(0.05)
+    finally:
+        eng.shutdown()
+    assert got[1][0].cached_tokens == len(base)  # its first token came from the extension program
+    drafted = sum(r.drafted for r, _ in got)
+    accepted = sum(r.accepted for r, _ in got)
+    assert 0 < accepted < drafted  # drafts both accepted and rejected among the entries checked below
+    for (prompt, n, _, top), (req, events) in zip(asks, got):
+        ids = [t for ev in events for t in ev.token_ids]
+        assert ids == req.output_ids and len(ids) == n
+        if top is None:
+            assert all(ev.logprobs is None for ev in events)
+            continue
+        entries = [e for ev in events for e in ev.logprobs]
+        assert len(entries) == n
+        seq = np.asarray(prompt + ids, np.int32)[None]
+        logits = target.prefill(seq, target.init_cache(1, seq.shape[1])).logits[0]
+        ref = _log_softmax(np.asarray(logits, np.float32))[len(prompt) - 1:-1]  # position i predicts token i
+        np.testing.assert_allclose([lp for lp, _ in entries], ref[np.arange(n), ids], atol=2e-4)
+        for i, (_, tops) in enumerate(entries):
+            assert len(tops) == top
+            if top:  # the likeliest `top` tokens, most likely first (ids compared by value: ties may swap)
+                np.testing.assert_allclose([v for _, v in tops], np.sort(ref[i])[::-1][:top], atol=2e-4)
+                np.testing.assert_allclose([v for _, v in tops], ref[i, [j for j, _ in tops]], atol=2e-4)
+        if not req.sampling.temperature:  # greedy: each token is the likeliest one
+            assert top == 0 or all(tops[0][0] == t for (_, tops), t in zip(entries, ids))
