@@ -1,8 +1,12 @@
 """Log-probabilities of served tokens (``jdspark.logprobs``): the device form against NumPy, then a served
 request's entries against an independent computation, the target's prefill of prompt + completion (every
 position's logits in one pass), for greedy and sampled requests whose drafts were both accepted and rejected,
-speculation off, a first token from a prefix-cache hit, and a request without them beside the others."""
+speculation off, a first token from a prefix-cache hit, and a request without them beside the others; and
+scripts/bench_logprobs.py's arms side by side (on the same pair and shapes, so its programs with log-probabilities
+are the served test's)."""
 
+import os
+import sys
 import time
 
 import jax
@@ -16,6 +20,11 @@ from jdspark.logprobs import host_entries, token_logprobs, when
 from jdspark.slots import SlotBackend
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "scripts"))
+
+import bench_logprobs  # noqa: E402
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -102,3 +111,19 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
                 np.testing.assert_allclose([v for _, v in tops], ref[i, [j for j, _ in tops]], atol=2e-4)
         if not req.sampling.temperature:  # greedy: each token is the likeliest one
             assert top == 0 or all(tops[0][0] == t for (_, tops), t in zip(entries, ids))
+
+
+def test_bench_logprobs_times_the_arms_side_by_side(pair):
+    target, drafter = pair
+    G = drafter.config.block_size
+    prompts = [[1] + np.random.default_rng(i).integers(3, 64, 31).tolist() for i in range(2)]
+    res = bench_logprobs.run(target, drafter, prompts, slots=2, max_len=96, batches=[2], widths=[G + 1], iters=2,
+                             repeats=1, top=3)
+    assert [(c["batch"], c["width"]) for c in res["cells"]] == [(2, G + 1)]
+    for c in res["cells"]:
+        assert all(c[f"{a}_ms"] > 0 for a in bench_logprobs.ARMS)
+        assert c["unasked_over_off"] > 0 and c["asked_over_off"] > 0
+    assert set(res["compiled"]) == {"off", "on"} and all(v["compile_s"] > 0 for v in res["compiled"].values())
+    with pytest.raises(ValueError, match="overflow"):
+        bench_logprobs.run(target, drafter, prompts, slots=2, max_len=40, batches=[2], widths=[G + 1], iters=8,
+                           repeats=1)
