@@ -37,7 +37,7 @@ ARMS = ("off", "unasked", "asked")
 
 
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
-        top: int = 20) -> dict:
+        top: int = 20, steps: int = 1) -> dict:
     from jdspark.engine import SamplingRequest
     from jdspark.graphs import memory_maps
     from jdspark.slot_programs import step_rows
@@ -45,16 +45,17 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
 
     P = max(len(p) for p in prompts)
     G = drafter.config.block_size if drafter is not None else 0
-    if (iters + 1) * max(widths) > max_len - P - G - 2:
+    if (iters + 1) * steps * max(widths) > max_len - P - G - 2:
         raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
                          f"after a {P}-token prompt; raise --max-len or lower --iters")
     backends = {m: SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,),
-                               prefix_pool=0, max_logprobs=None if m == "off" else top) for m in ("off", "on")}
+                               prefix_pool=0, max_logprobs=None if m == "off" else top, multi_step=steps,
+                               multi_step_max_batch=slots) for m in ("off", "on")}
     compiled = {}
     for m, be in backends.items():  # the dearest program, compiled alone: its time and memory maps
         b, w = max(batches), max(widths)
         before, t0 = memory_maps(), time.perf_counter()
-        args, kw = be._step_args(np.arange(b, dtype=np.int32), w, 1, caps=np.full(b, float(be.G)))
+        args, kw = be._step_args(np.arange(b, dtype=np.int32), w, steps, caps=np.full(b, float(be.G)))
         step_rows.lower(*args, **kw).compile()
         after = memory_maps()
         compiled[m] = {"compile_s": time.perf_counter() - t0,
@@ -80,12 +81,12 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
                     refill(arm, b)
                     rows = list(range(b))
                     if r == 0:  # compiles
-                        be.collect(be.launch(rows, width=w))
+                        be.collect(be.launch(rows, width=w, steps=steps))
                         continue
                     t0 = time.perf_counter()
-                    for h in [be.launch(rows, width=w) for _ in range(iters)]:
+                    for h in [be.launch(rows, width=w, steps=steps) for _ in range(iters)]:
                         be.collect(h)
-                    ms[arm].append((time.perf_counter() - t0) / iters * 1e3)
+                    ms[arm].append((time.perf_counter() - t0) / (iters * steps) * 1e3)
             cell = {"batch": b, "width": w, **{f"{a}_ms": float(np.median(ms[a])) for a in ARMS}}
             for a in ("unasked", "asked"):
                 cell[f"{a}_over_off"] = float(np.median([x / y for x, y in zip(ms[a], ms["off"])]))
@@ -93,8 +94,8 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     for be in backends.values():
         for s in range(slots):
             be.free(s)
-    return {"cells": cells, "top_logprobs": top, "slots": slots, "max_len": max_len, "prompt_len": P,
-            "iters": iters, "repeats": repeats, "compiled": compiled}
+    return {"cells": cells, "top_logprobs": top, "steps_per_launch": steps, "slots": slots, "max_len": max_len,
+            "prompt_len": P, "iters": iters, "repeats": repeats, "compiled": compiled}
 
 
 def main(argv=None) -> int:
@@ -111,6 +112,8 @@ def main(argv=None) -> int:
     ap.add_argument("--widths", default=None, help="default: 1 and the drafter's whole block")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--steps-per-launch", type=int, default=1,
+                    help="K > 1: launches of K steps (multi-step scheduling: the server's at batch buckets <= 4)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     target, drafter, note = gen.load_pair(a.checkpoint)
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     widths = [int(x) for x in a.widths.split(",")] if a.widths else sorted({1, G + 1})
     prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
-              iters=a.iters, repeats=a.repeats)
+              iters=a.iters, repeats=a.repeats, steps=a.steps_per_launch)
     for c in res["cells"]:
         print(f"[bench_logprobs] b={c['batch']:2d} W={c['width']}: off {c['off_ms']:7.2f} ms/step, unasked "
               f"{c['unasked_over_off']:.3f}x, asked {c['asked_over_off']:.3f}x", file=sys.stderr)
