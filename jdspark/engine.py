@@ -60,6 +60,7 @@ class SamplingRequest:
     spec_mode: Optional[str] = None  # "fixed" | "adaptive" | None (the server's default)
     images: Optional[object] = None  # kimi.image.VisionInput; prompt_ids holds its placeholders expanded
     logprobs: Optional[int] = None  # each token's log-probability and this many top ones (None: none)
+    prompt_logprobs: Optional[int] = None  # the same for the prompt's tokens (``echo``); its insert prefills it all
 
 
 @dataclasses.dataclass
@@ -71,6 +72,7 @@ class StepOutput:
     verified: int = 1  # tokens the target verified for this slot this step (1 for a plain decode step)
     cached: int = 0  # an insert's: prompt tokens found in the prefix cache, not prefilled (``jdspark.prefix``)
     logprobs: Optional[list] = None  # per token (logprob, [(id, logprob), ...]) when the request asked
+    prompt_logprobs: Optional[list] = None  # an insert's, per prompt token (the first None), when asked
 
 
 class Backend(Protocol):
@@ -95,6 +97,7 @@ class Event:
     usage: Optional[dict] = None
     error: Optional[str] = None  # why the request could not be served (it ends with finish_reason "abort")
     logprobs: Optional[list] = None  # one entry per id of token_ids (StepOutput.logprobs'), when asked
+    prompt_logprobs: Optional[list] = None  # on the first event, when asked (StepOutput.prompt_logprobs)
 
 
 @dataclasses.dataclass(eq=False)
@@ -342,6 +345,8 @@ class Engine:
                     break
             if reason is not None:
                 break
+        if req.sampling.max_tokens == 0:  # an echo of the prompt alone: the insert's token is not the request's
+            take, reason, eos = [], "length", False
         if prefill:
             req.cached_tokens = sum(o.cached for o in used)
         else:
@@ -365,6 +370,7 @@ class Engine:
             req.text, reason = req.text[:cut], "stop"
         req.output_ids += take
         lps = lps[:len(take)] if req.sampling.logprobs is not None else None
+        plp = outs[0].prompt_logprobs if prefill else None
         # hold back a tail that could still become a stop string
         hold = 0 if reason is not None else max((len(x) - 1 for x in req.stop), default=0)
         upto = max(req.sent, len(req.text) - hold)
@@ -379,17 +385,18 @@ class Engine:
             keep = getattr(self.backend, "keep_answer", None)
             if keep is not None and cut < 0:  # a stop string's cut: the client's text is not these ids
                 keep(req.sampling, req.output_ids[:-1] if eos else req.output_ids)  # before the caller hears
-            self._finish(req, reason, delta, take, logprobs=lps)
-        elif delta or take:
-            req.on_event(Event(delta, take, logprobs=lps))
+            self._finish(req, reason, delta, take, logprobs=lps, prompt_logprobs=plp)
+        elif delta or take or plp:
+            req.on_event(Event(delta, take, logprobs=lps, prompt_logprobs=plp))
 
     def _finish(self, req: Request, reason: str, delta: str = "", take=(), error: Optional[str] = None,
-                logprobs: Optional[list] = None) -> None:
+                logprobs: Optional[list] = None, prompt_logprobs: Optional[list] = None) -> None:
         req.finished = reason
         if self.metrics:
             self.metrics.finished(req, reason, time.monotonic())
         req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage(), error=error,
-                           logprobs=logprobs if logprobs is not None or req.sampling.logprobs is None else []))
+                           logprobs=logprobs if logprobs is not None or req.sampling.logprobs is None else [],
+                           prompt_logprobs=prompt_logprobs))
 
     def _gauges(self) -> None:
         if self.metrics:

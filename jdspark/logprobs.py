@@ -81,16 +81,17 @@ def _token(tokenizer, i: int) -> tuple:
 def completion_logprobs(tokenizer, token_ids: Sequence[int], entries: Sequence[tuple], top: int,
                         text_offset: int = 0) -> Optional[dict]:
     """``/v1/completions``' ``logprobs`` object: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    (``top_logprobs`` a {token: logprob} per token; None when the request asked for 0 of them)."""
+    (``top_logprobs`` a {token: logprob} per token; None when the request asked for 0 of them). An entry None (an
+    echoed prompt's first token: nothing before it) reads null in both lists."""
     tokens, offsets, pos = [], [], text_offset
     for i in token_ids:
         text, _ = _token(tokenizer, i)
         tokens.append(text)
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{_token(tokenizer, j)[0]: v for j, v in tops[:top]} for _, tops in entries]
-            if top > 0 else None, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None if e is None else e[0] for e in entries],
+            "top_logprobs": [None if e is None else {_token(tokenizer, j)[0]: v for j, v in e[1][:top]}
+                             for e in entries] if top > 0 else None, "text_offset": offsets}
 
 
 def chat_logprobs(tokenizer, token_ids: Sequence[int], entries: Sequence[tuple], top: int) -> dict:

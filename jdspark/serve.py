@@ -78,7 +78,7 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "prompt_logprobs": (0,),
+    "n": (1,), "best_of": (1,), "suffix": ("",), "prompt_logprobs": (0,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
@@ -99,7 +99,8 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
                      max_logprobs: Optional[int] = None) -> tuple:
-    """(SamplingRequest, stop strings, ignore_eos, stream, include_usage) from a request body, or ApiError.
+    """(SamplingRequest, stop strings, ignore_eos, stream, include_usage, echo) from a request body, or ApiError;
+    ``echo``: the prompt's text a completions response begins with (``"echo": true``), else None.
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
@@ -138,6 +139,10 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         raise ApiError(404, f"The model '{model}' does not exist (this server serves '{model_name}')", "model",
                        code="model_not_found")
     _reject_unsupported(body)
+    if chat and body.get("echo") not in (None, False):
+        raise ApiError(400, "'echo' is not supported on /v1/chat/completions (only on /v1/completions)", "echo",
+                       code="unsupported")
+    echo = False if chat else _get(body, "echo", (bool,), False, what="a boolean")
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -165,12 +170,14 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         prompt = body["prompt"]
         if isinstance(prompt, str):
             ids = tokenizer.encode(prompt, bos=tokenizer.bos_id is not None)
+            echo_text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             bad = [t for t in prompt if not 0 <= t < vocab_size]
             if bad:
                 raise ApiError(400, f"token ids {bad[:8]} outside the vocabulary [0, {vocab_size})", "prompt")
             ids = list(prompt)
+            echo_text = tokenizer.decode(ids)
         else:
             raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
     if not ids:
@@ -179,7 +186,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt} (its largest "
                             "prompt bucket)", "prompt")
     max_tokens = _get(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                      (int,), 16, lambda v: v >= 1, "an integer >= 1")
+                      (int,), 16, lambda v: v >= (0 if echo else 1),
+                      "an integer >= 0 (0: the prompt's echo alone)" if echo else "an integer >= 1")
     if len(ids) + max_tokens > max_context:
         raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the context of "
                             f"{max_context} tokens", "max_tokens")
@@ -206,10 +214,11 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                        "start it with --spec adaptive for both)", "spec_mode", code="unsupported")
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
+    logprobs = _logprobs(body, chat, max_logprobs)
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
-                         int(seed), bool(speculative), spec_mode, images=vin,
-                         logprobs=_logprobs(body, chat, max_logprobs))
-    return sp, stop, ignore_eos, stream, include_usage
+                         int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
+                         prompt_logprobs=logprobs if echo else None)
+    return sp, stop, ignore_eos, stream, include_usage, echo_text if echo else None
 
 
 class _Mailbox:
@@ -277,7 +286,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return err(ApiError(400, f"invalid JSON: {e}"))
         try:
-            sp, stop, ignore_eos, stream, include_usage = parse_completion(
+            sp, stop, ignore_eos, stream, include_usage, echo = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
                 chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs)
         except ApiError as e:
@@ -296,7 +305,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         obj = "chat.completion" if chat else "text_completion"
         if stream:
             return StreamingResponse(_sse(request, engine, req, events, chat, created, model_name, include_usage,
-                                          tokenizer), media_type="text/event-stream")
+                                          tokenizer, echo), media_type="text/event-stream")
         text, last, ids, entries = [], None, [], []
         try:
             while True:
@@ -308,6 +317,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                         return Response(status_code=499)
                     continue
                 text.append(ev.text)
+                if ev.prompt_logprobs is not None:
+                    ids, entries = list(sp.prompt_ids) + ids, ev.prompt_logprobs + entries
                 if ev.logprobs is not None:
                     ids += ev.token_ids
                     entries += ev.logprobs
@@ -324,7 +335,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
-            choice["text"] = "".join(text)
+            choice["text"] = (echo or "") + "".join(text)
         return {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [choice],
                 "usage": last.usage}
 
@@ -349,14 +360,18 @@ def _logprobs_object(tokenizer, chat: bool, top: Optional[int], ids: list, entri
 
 
 async def _sse(request, engine, req, events, chat: bool, created: int, model_name: str, include_usage: bool,
-               tokenizer):
+               tokenizer, echo: Optional[str] = None):
     obj = "chat.completion.chunk" if chat else "text_completion"
     sent = [0]  # characters of text streamed so far (completions' text_offset)
+    echoed = [echo is None]
 
-    def chunk(text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None) -> str:
+    def chunk(text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None,
+              ids=None, entries=None) -> str:
         lp = None
         if ev is not None and ev.logprobs is not None:
-            lp = _logprobs_object(tokenizer, chat, req.sampling.logprobs, ev.token_ids, ev.logprobs, sent[0])
+            ids, entries = ev.token_ids, ev.logprobs
+        if entries is not None:
+            lp = _logprobs_object(tokenizer, chat, req.sampling.logprobs, ids, entries, sent[0])
         sent[0] += len(text or "")
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
@@ -368,6 +383,9 @@ async def _sse(request, engine, req, events, chat: bool, created: int, model_nam
 
     def events_of(ev: Event, out: list) -> bool:
         """Append ``ev``'s SSE events to ``out``; True when it ends the stream."""
+        if not echoed[0]:  # the prompt first (and its log-probabilities: the first event carries them)
+            echoed[0] = True
+            out.append(chunk(echo, None, ids=list(req.sampling.prompt_ids), entries=ev.prompt_logprobs))
         if ev.text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
             out.append(chunk(ev.text, None, ev=ev))
         if ev.error is not None:

@@ -31,14 +31,15 @@ HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs"
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs"),
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-               media_PD=None, *, max_len, chunk=None, logprobs: Optional[int] = None):
-    """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, the first token's
-    ``TokenLogprobs``. ``media_PD``: the prompt's image features, padded to the prompt bucket (a prompt of P tokens
-    holds at most P placeholders), so one program serves every image prompt of a bucket."""
+               media_PD=None, want_prompt=None, *, max_len, chunk=None, logprobs: Optional[int] = None):
+    """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
+    ``TokenLogprobs``, the prompt's where ``want_prompt`` says so: ``speculative.prefill_stream``). ``media_PD``:
+    the prompt's image features, padded to the prompt bucket (a prompt of P tokens holds at most P placeholders),
+    so one program serves every image prompt of a bucket."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, want_prompt_logprobs=want_prompt)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
 

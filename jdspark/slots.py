@@ -194,7 +194,13 @@ class SlotBackend:
         if mode == "adaptive" and not self.adaptive:
             raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
         keep = self.prefix is not None and req.images is None  # prefix caching: text prompts only
-        hit = self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None) if keep else None
+        top, ptop = (-1 if x is None else int(x) for x in (req.logprobs, req.prompt_logprobs))
+        if max(top, ptop) > (-1 if self.max_logprobs is None else self.max_logprobs):
+            raise ValueError(f"logprobs: {max(top, ptop)} top entries asked; this backend serves "
+                             + ("none" if self.max_logprobs is None else f"at most {self.max_logprobs}"))
+        # the prompt's log-probabilities come from a fresh one-pass prefill (a cache hit skips the kept tokens)
+        hit = (self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None)
+               if keep and ptop < 0 else None)
         cached = hit[1] if hit is not None else 0
         if hit is None and n > self.prompt_buckets[-1]:
             raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})"
@@ -206,29 +212,33 @@ class SlotBackend:
         padded[0, :n - cached] = req.prompt_ids[cached:]
         media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
         cap = self.G if req.speculative else 0
-        top = -1 if req.logprobs is None else int(req.logprobs)
-        if top > (-1 if self.max_logprobs is None else self.max_logprobs):
-            raise ValueError(f"logprobs: {top} top entries asked; this backend serves "
-                             + ("none" if self.max_logprobs is None else f"at most {self.max_logprobs}"))
+        # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
+        chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
+        if ptop >= 0 and chunk is not None:
+            raise ValueError(f"prompt log-probabilities need the prompt prefilled in one pass; a prompt of {n} tokens "
+                             f"is prefilled in chunks of {chunk} here (--prefill-chunk)")
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         if hit is None:
-            # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
-            chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-            first, *lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk)
+            first, *lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk,
+                                       ptop >= 0)
         else:
             first, *lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
-        entries = None
-        if top >= 0:
-            lp = jax.device_get(lp[0])
-            entries = host_entries(lp.chosen_K, lp.top_ids_KL, lp.top_KL, 1, top)
-        return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries)
+        entries = prompt = None
+        if max(top, ptop) >= 0:
+            lp_first, lp_prompt = jax.device_get(lp[0])
+            if top >= 0:
+                entries = host_entries(lp_first.chosen_K, lp_first.top_ids_KL, lp_first.top_KL, 1, top)
+            if ptop >= 0:  # the first prompt token has none (nothing before it)
+                prompt = [None] + host_entries(lp_prompt.chosen_K, lp_prompt.top_ids_KL, lp_prompt.top_KL, n - 1,
+                                               ptop)
+        return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
                 top_p: float):
@@ -246,20 +256,22 @@ class SlotBackend:
                 np.float32(temperature), np.int32(top_k), np.float32(top_p))
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                 media_PD, chunk):
+                 media_PD, chunk, prompt_logprobs: bool = False):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
-        ~45 us each here). Returns as ``_extend``."""
-        args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk)
+        ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
+        args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk,
+                                     prompt_logprobs)
         self.state, *first = insert_row(*args, **kw)
         return first
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                     media_PD, chunk) -> tuple:
+                     media_PD, chunk, prompt_logprobs: bool = False) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
+        want = None if self.max_logprobs is None or chunk is not None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
-                 np.int32(top_k), np.float32(top_p), media_PD),
+                 np.int32(top_k), np.float32(top_p), media_PD, want),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs))
 
     def _media(self, req: SamplingRequest, P: int):

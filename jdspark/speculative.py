@@ -257,7 +257,8 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 
 
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
-                   chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None):
+                   chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None,
+                   want_prompt_logprobs=None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
@@ -266,8 +267,11 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     in chunks of C (the caches must hold ``chunked_positions(P, C)``), each chunk's taps appended to the drafter's
     context inside the chunk loop, so the whole prompt's activations and taps never exist at once.
 
-    ``logprobs`` (static): also return the first token's ``jdspark.logprobs.TokenLogprobs`` with that many top
-    entries, as a third item."""
+    ``logprobs`` (static): also return, as a third item, (the first token's ``jdspark.logprobs.TokenLogprobs``
+    with that many top entries, the prompt's or None): the prompt's [P] are prompt token i + 1's entries from
+    position i's logits (the last valid one's and the padding's meaningless), computed where
+    ``want_prompt_logprobs`` (a traced scalar) says so, else zeros; one pass only (``chunk`` None: a chunked prefill
+    never holds every position's logits), else None."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
@@ -295,7 +299,12 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     k0, key = rng.split(key)
     first = sample(k0, last_logits[None], sp)
     if logprobs is not None:
-        return Stream(first, cache, dcache, key), first, token_logprobs(last_logits[None], first, logprobs)
+        prompt_lp = None
+        if chunk is None and want_prompt_logprobs is not None:
+            next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
+            prompt_lp = when(want_prompt_logprobs, pre.logits[0], next_P, logprobs)
+        lp = (token_logprobs(last_logits[None], first, logprobs), prompt_lp)
+        return Stream(first, cache, dcache, key), first, lp
     return Stream(first, cache, dcache, key), first
 
 
@@ -310,7 +319,8 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
         cache, dcache <- prefill_chunked(ext, cache = row.cache, chunk = E)   MLA attends to the prefix's latents,
                                                                             KDA and conv continue their state
         the drafter's context gets the extension's taps at positions n .. n + ext_len - 1 (n = the prefix's length)
-    The cache must hold n + E positions (the caller checks). ``logprobs``: as ``prefill_stream``'s."""
+    The cache must hold n + E positions (the caller checks). ``logprobs``: as ``prefill_stream``'s (the prompt's
+    None: the kept tokens' logits are not computed again)."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     E = ext_1E.shape[1]
     base_1 = row.cache.length
@@ -325,7 +335,7 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     k0, key = rng.split(key)
     first = sample(k0, last_1V, sp)
     if logprobs is not None:
-        return Stream(first, cache, dcache, key), first, token_logprobs(last_1V, first, logprobs)
+        return Stream(first, cache, dcache, key), first, (token_logprobs(last_1V, first, logprobs), None)
     return Stream(first, cache, dcache, key), first
 
 

@@ -39,8 +39,10 @@ class ScriptedBackend:
         self.inserted.append(slot)
         self.last[slot] = (req.prompt_ids[-1] + 1) % 256
         self.top[slot] = req.logprobs
+        ptop = req.prompt_logprobs
+        prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) for t in req.prompt_ids[1:]]
         return StepOutput([self.last[slot]], cached=len(req.prompt_ids) // 2,  # as if half were kept
-                          logprobs=self._logprobs(slot, [self.last[slot]]))
+                          logprobs=self._logprobs(slot, [self.last[slot]]), prompt_logprobs=prompt)
 
     def _logprobs(self, slot, toks):
         top = self.top[slot]

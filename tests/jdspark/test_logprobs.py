@@ -74,6 +74,9 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
         ([1] + rng.integers(3, 64, 14).tolist(), 16, dict(speculative=False), 0),
         ([1] + rng.integers(3, 64, 11).tolist(), 18, dict(temperature=0.8, top_p=0.9, seed=3), None),
         ([1] + rng.integers(3, 64, 17).tolist(), 22, dict(temperature=1.0, top_k=5, seed=2), 1),
+        # the prompt's too (echo): prefilled whole, past the kept `base` it begins with; and the prompt alone
+        (base + rng.integers(3, 64, 4).tolist(), 6, dict(prompt_logprobs=2), 2),
+        ([1] + rng.integers(3, 64, 9).tolist(), 0, dict(prompt_logprobs=0), None),
     ]
     got = []
     try:
@@ -89,17 +92,32 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
     finally:
         eng.shutdown()
     assert got[1][0].cached_tokens == len(base)  # its first token came from the extension program
+    assert got[5][0].cached_tokens == 0  # the prompt's log-probabilities: no cache hit
     drafted = sum(r.drafted for r, _ in got)
     accepted = sum(r.accepted for r, _ in got)
     assert 0 < accepted < drafted  # drafts both accepted and rejected among the entries checked below
-    for (prompt, n, _, top), (req, events) in zip(asks, got):
+    for (prompt, n, kw, top), (req, events) in zip(asks, got):
         ids = [t for ev in events for t in ev.token_ids]
         assert ids == req.output_ids and len(ids) == n
+        ptop = kw.get("prompt_logprobs")
+        assert all(ev.prompt_logprobs is None for ev in events[ptop is not None:])  # the first event's, if any
+        if ptop is not None:  # prompt token i from position i - 1's logits; the first has none
+            plp = events[0].prompt_logprobs
+            seq = np.asarray(prompt + ids[:1], np.int32)[None]
+            ref = _log_softmax(np.asarray(target.prefill(seq, target.init_cache(1, seq.shape[1])).logits[0]))
+            assert len(plp) == len(prompt) and plp[0] is None
+            np.testing.assert_allclose([e[0] for e in plp[1:]], ref[np.arange(len(prompt) - 1), prompt[1:]],
+                                       atol=2e-4)
+            for i, (_, tops) in enumerate(plp[1:]):
+                assert len(tops) == ptop
+                np.testing.assert_allclose([v for _, v in tops], np.sort(ref[i])[::-1][:ptop], atol=2e-4)
         if top is None:
             assert all(ev.logprobs is None for ev in events)
             continue
         entries = [e for ev in events for e in ev.logprobs]
         assert len(entries) == n
+        if n == 0:
+            continue
         seq = np.asarray(prompt + ids, np.int32)[None]
         logits = target.prefill(seq, target.init_cache(1, seq.shape[1])).logits[0]
         ref = _log_softmax(np.asarray(logits, np.float32))[len(prompt) - 1:-1]  # position i predicts token i

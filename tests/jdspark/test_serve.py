@@ -121,7 +121,9 @@ BAD = [
     ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),
     ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
     ({"prompt": "x", "n": 2}, "'n' = 2 is not supported", "n", 400),
-    ({"prompt": "x", "echo": True}, "'echo' = true is not supported", "echo", 400),
+    ({"prompt": "x", "echo": "yes"}, "'echo' must be a boolean", "echo", 400),
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, "'max_tokens' must be an integer >= 0", "max_tokens", 400),
+    ({"prompt": "x", "suffix": "y"}, "'suffix' = \"y\" is not supported", "suffix", 400),
     ({"prompt": "x", "logprobs": 6}, "'logprobs' must be an integer in 0..5, got 6", "logprobs", 400),
     ({"prompt": "x", "logprobs": True}, "'logprobs' must be an integer in 0..5, got a boolean", "logprobs", 400),
     ({"prompt": "x", "presence_penalty": 0.5}, "'presence_penalty' = 0.5 is not supported", "presence_penalty", 400),
@@ -207,6 +209,34 @@ def test_logprobs_of_completions_and_chat_streamed_and_not(srv):
     assert streamed == want
     plain = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()
     assert plain["choices"][0]["logprobs"] is None
+
+
+def test_echo_returns_the_prompt_and_its_log_probabilities(srv):
+    """``echo``: the text begins with the prompt, the logprobs object with the prompt's tokens (the first null:
+    nothing before it), as lm-eval's loglikelihood reads them; max_tokens 0: the prompt alone; streamed alike."""
+    body = {"prompt": "abc", "max_tokens": 3, "ignore_eos": True, "echo": True, "logprobs": 1}
+    r = httpx.post(srv.url + "/v1/completions", json=body).json()
+    c, prompt_ids = r["choices"][0], [srv.tok.bos_id, ord("a"), ord("b"), ord("c")]
+    assert c["text"] == "abc" + expected_text("abc", 3) and r["usage"]["completion_tokens"] == 3
+    ids = prompt_ids + [ord("d"), ord("e"), ord("f")]
+    lp = c["logprobs"]
+    assert lp["tokens"] == [srv.tok.token_bytes(i).decode("utf-8", "replace") for i in ids]
+    assert lp["token_logprobs"] == [None] + [scripted_logprob(t, 1)[0] for t in ids[1:]]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"a": scripted_logprob(ord("a"), 1)[0]}
+    chunks = _sse_chunks(srv, "/v1/completions", body)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]) == c["text"]
+    streamed = [x for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+                for x in ch["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == lp["token_logprobs"]
+    alone = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 0}).json()
+    assert alone["choices"][0]["text"] == "abc" and alone["choices"][0]["finish_reason"] == "length"
+    assert alone["usage"]["completion_tokens"] == 0 and len(alone["choices"][0]["logprobs"]["tokens"]) == 4
+    plain = httpx.post(srv.url + "/v1/completions", json={"prompt": [256, 97], "max_tokens": 2, "echo": True}).json()
+    assert plain["choices"][0]["text"] == srv.tok.decode([256, 97]) + "bc"
+    assert plain["choices"][0]["logprobs"] is None
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                           "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
 def test_a_server_without_logprobs_refuses_them():
