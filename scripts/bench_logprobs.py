@@ -3,7 +3,8 @@
   python scripts/bench_logprobs.py --json                       # the shipped pair, batches 1 and 16, W = 1 and G + 1
 
 Three arms, each a ``SlotBackend`` (``jdspark/slots.py``) of the same pair with every slot filled by a held-out
-prompt, steps launched back to back as the engine pipelines them (ms per step):
+prompt, steps launched back to back as the engine pipelines them (ms per step), and one prompt's insert
+(``insert``; asked: the prompt's log-probabilities too, as ``echo`` asks):
 
     off       compiled without log-probabilities (``max_logprobs=None``: ``--no-logprobs``)
     unasked   compiled with them (``max_logprobs=20``, the server's default) and no row asking: what a server
@@ -91,11 +92,25 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
             for a in ("unasked", "asked"):
                 cell[f"{a}_over_off"] = float(np.median([x / y for x, y in zip(ms[a], ms["off"])]))
             cells.append(cell)
+    inserts = {a: [] for a in ARMS}  # one prompt's insert; "asked": its prompt's log-probabilities too (echo)
+    for r in range(repeats + 1):
+        for arm in ARMS[r % 3:] + ARMS[:r % 3]:
+            be = arm_backend(arm)
+            req = SamplingRequest(tuple(prompts[r % len(prompts)]), 1, seed=r,
+                                  logprobs=top if arm == "asked" else None,
+                                  prompt_logprobs=top if arm == "asked" else None)
+            t0 = time.perf_counter()
+            be.insert(0, req)
+            if r:
+                inserts[arm].append((time.perf_counter() - t0) * 1e3)
+    insert = {f"{a}_ms": float(np.median(inserts[a])) for a in ARMS}
+    for a in ("unasked", "asked"):
+        insert[f"{a}_over_off"] = float(np.median([x / y for x, y in zip(inserts[a], inserts["off"])]))
     for be in backends.values():
         for s in range(slots):
             be.free(s)
-    return {"cells": cells, "top_logprobs": top, "steps_per_launch": steps, "slots": slots, "max_len": max_len,
-            "prompt_len": P, "iters": iters, "repeats": repeats, "compiled": compiled}
+    return {"cells": cells, "insert": insert, "top_logprobs": top, "steps_per_launch": steps, "slots": slots,
+            "max_len": max_len, "prompt_len": P, "iters": iters, "repeats": repeats, "compiled": compiled}
 
 
 def main(argv=None) -> int:
@@ -130,6 +145,9 @@ def main(argv=None) -> int:
     for c in res["cells"]:
         print(f"[bench_logprobs] b={c['batch']:2d} W={c['width']}: off {c['off_ms']:7.2f} ms/step, unasked "
               f"{c['unasked_over_off']:.3f}x, asked {c['asked_over_off']:.3f}x", file=sys.stderr)
+    i = res["insert"]
+    print(f"[bench_logprobs] insert of {res['prompt_len']} tokens: off {i['off_ms']:.2f} ms, unasked "
+          f"{i['unasked_over_off']:.3f}x, asked (its prompt's too) {i['asked_over_off']:.3f}x", file=sys.stderr)
     for m, c in res["compiled"].items():
         print(f"[bench_logprobs] widest step compiled {m}: {c['compile_s']:.1f} s, {c['memory_maps']} maps",
               file=sys.stderr)

@@ -141,6 +141,7 @@ def test_bench_logprobs_times_the_arms_side_by_side(pair):
     for c in res["cells"]:
         assert all(c[f"{a}_ms"] > 0 for a in bench_logprobs.ARMS)
         assert c["unasked_over_off"] > 0 and c["asked_over_off"] > 0
+    assert all(res["insert"][f"{a}_ms"] > 0 for a in bench_logprobs.ARMS)
     assert set(res["compiled"]) == {"off", "on"} and all(v["compile_s"] > 0 for v in res["compiled"].values())
     with pytest.raises(ValueError, match="overflow"):
         bench_logprobs.run(target, drafter, prompts, slots=2, max_len=40, batches=[2], widths=[G + 1], iters=8,
