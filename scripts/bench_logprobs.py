@@ -22,7 +22,6 @@ compiles ~45 programs; ``jdspark.graphs.check_map_budget``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -114,32 +113,15 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
 
 
 def main(argv=None) -> int:
-    import generate as gen
+    from bench_slots import slot_bench_inputs, slot_bench_parser
 
-    from jdspark import data as jdata
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=gen.DEFAULT_DIR)
-    ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--max-len", type=int, default=320)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--widths", default=None, help="default: 1 and the drafter's whole block")
-    ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--steps-per-launch", type=int, default=1,
-                    help="K > 1: launches of K steps (multi-step scheduling: the server's at batch buckets <= 4)")
+    ap = slot_bench_parser(__doc__.splitlines()[0], batches="1,16", repeats=9,
+                           widths_help="default: 1 and the drafter's whole block",
+                           steps_help="K > 1: launches of K steps (multi-step scheduling: the server's at batch "
+                                      "buckets <= 4)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    target, drafter, note = gen.load_pair(a.checkpoint)
-    print(f"[bench_logprobs] {note}", file=sys.stderr)
-    tok = gen.load_tokenizer(a.checkpoint, target.config)
-    batches = [int(x) for x in a.batches.split(",")]
-    if any(b < 1 or b > a.slots for b in batches):
-        ap.error(f"--batches: each in 1..{a.slots}")
-    G = drafter.config.block_size if drafter is not None else 0
-    widths = [int(x) for x in a.widths.split(",")] if a.widths else sorted({1, G + 1})
-    prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
+    target, drafter, prompts, batches, widths = slot_bench_inputs(ap, a, "bench_logprobs", lambda G: sorted({1, G + 1}))
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
               iters=a.iters, repeats=a.repeats, steps=a.steps_per_launch)
     for c in res["cells"]:

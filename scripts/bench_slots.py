@@ -189,22 +189,51 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
             "width_switch": switches, "plain_context_cost": context}
 
 
-def main(argv=None) -> int:
+def slot_bench_parser(description: str, *, batches: str, repeats: int, widths_help: str,
+                      steps_help: str) -> argparse.ArgumentParser:
+    """The command line the slot benches share (this one, ``bench_logprobs.py``): the pair, its slots and caches,
+    the prompts, the batches and widths timed, iterations and rounds, steps per launch."""
     import generate as gen
 
-    from jdspark import data as jdata
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--checkpoint", default=gen.DEFAULT_DIR)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=320)
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--batches", default="1,2,4,8,16")
-    ap.add_argument("--widths", default=None, help="default: 1, 2, 4 and the drafter's whole block")
+    ap.add_argument("--batches", default=batches)
+    ap.add_argument("--widths", default=None, help=widths_help)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps-per-launch", type=int, default=1,
-                    help="K > 1: each (rows, batch, width) also in launches of K steps (multi-step scheduling)")
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--steps-per-launch", type=int, default=1, help=steps_help)
+    return ap
+
+
+def slot_bench_inputs(ap: argparse.ArgumentParser, a, name: str, default_widths) -> tuple:
+    """(target, drafter, prompts, batches, widths) of parsed ``slot_bench_parser`` arguments; ``default_widths(G)``
+    when --widths is not given; argument errors through ``ap``."""
+    import generate as gen
+
+    from jdspark import data as jdata
+
+    target, drafter, note = gen.load_pair(a.checkpoint)
+    print(f"[{name}] {note}", file=sys.stderr)
+    tok = gen.load_tokenizer(a.checkpoint, target.config)
+    batches = [int(x) for x in a.batches.split(",")]
+    if any(b < 1 or b > a.slots for b in batches):
+        ap.error(f"--batches: each in 1..{a.slots}")
+    if a.steps_per_launch < 1:
+        ap.error(f"--steps-per-launch: expected an int >= 1, got {a.steps_per_launch}")
+    G = drafter.config.block_size if drafter is not None else 0
+    widths = [int(x) for x in a.widths.split(",")] if a.widths else default_widths(G)
+    prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
+    return target, drafter, prompts, batches, widths
+
+
+def main(argv=None) -> int:
+    ap = slot_bench_parser(__doc__.splitlines()[0], batches="1,2,4,8,16", repeats=5,
+                           widths_help="default: 1, 2, 4 and the drafter's whole block",
+                           steps_help="K > 1: each (rows, batch, width) also in launches of K steps (multi-step "
+                                      "scheduling)")
     ap.add_argument("--switch", action="store_true",
                     help="also time the first two widths alternating against in runs, per batch (switch_ms)")
     ap.add_argument("--adaptive", action="store_true",
@@ -212,17 +241,8 @@ def main(argv=None) -> int:
                          "survival)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    target, drafter, note = gen.load_pair(a.checkpoint)
-    print(f"[bench_slots] {note}", file=sys.stderr)
-    tok = gen.load_tokenizer(a.checkpoint, target.config)
-    batches = [int(x) for x in a.batches.split(",")]
-    if any(b < 1 or b > a.slots for b in batches):
-        ap.error(f"--batches: each in 1..{a.slots}")
-    G = drafter.config.block_size if drafter is not None else 0
-    widths = ([int(x) for x in a.widths.split(",")] if a.widths else sorted({1, 2, 4, G + 1} if G else {1}))
-    prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
-    if a.steps_per_launch < 1:
-        ap.error(f"--steps-per-launch: expected an int >= 1, got {a.steps_per_launch}")
+    target, drafter, prompts, batches, widths = slot_bench_inputs(
+        ap, a, "bench_slots", lambda G: sorted({1, 2, 4, G + 1} if G else {1}))
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
               iters=a.iters, repeats=a.repeats, steps_per_launch=a.steps_per_launch, switch=a.switch,
               adaptive=a.adaptive)

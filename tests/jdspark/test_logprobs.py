@@ -64,7 +64,7 @@ def pair():
 def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
     target, drafter = pair
     be = SlotBackend(target, drafter, num_slots=2, max_len=96, prompt_buckets=(32,), batch_buckets=(2,),
-                     multi_step=2, multi_step_max_batch=2, prefix_pool=2, prefix_min_tokens=8, max_logprobs=3)
+                     prefix_pool=2, prefix_min_tokens=8, max_logprobs=3)
     eng = Engine(be, ByteTokenizer(), eos_token_id=None, max_waiting=8).start()
     rng = np.random.default_rng(1)
     base = [1] + rng.integers(3, 64, 19).tolist()
@@ -96,15 +96,22 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
     drafted = sum(r.drafted for r, _ in got)
     accepted = sum(r.accepted for r, _ in got)
     assert 0 < accepted < drafted  # drafts both accepted and rejected among the entries checked below
-    for (prompt, n, kw, top), (req, events) in zip(asks, got):
+    # the reference: every prompt + completion in one prefill, right-padded (causal: the padding changes nothing
+    # before it), so one program serves them all
+    seqs = [prompt + req.output_ids for (prompt, *_), (req, _) in zip(asks, got)]
+    T = max(map(len, seqs))
+    padded = np.zeros((len(seqs), T), np.int32)
+    for i, q in enumerate(seqs):
+        padded[i, :len(q)] = q
+    refs = _log_softmax(np.asarray(target.prefill(padded, target.init_cache(len(seqs), T)).logits, np.float32))
+    for (prompt, n, kw, top), (req, events), ref_T in zip(asks, got, refs):
         ids = [t for ev in events for t in ev.token_ids]
         assert ids == req.output_ids and len(ids) == n
         ptop = kw.get("prompt_logprobs")
         assert all(ev.prompt_logprobs is None for ev in events[ptop is not None:])  # the first event's, if any
         if ptop is not None:  # prompt token i from position i - 1's logits; the first has none
             plp = events[0].prompt_logprobs
-            seq = np.asarray(prompt + ids[:1], np.int32)[None]
-            ref = _log_softmax(np.asarray(target.prefill(seq, target.init_cache(1, seq.shape[1])).logits[0]))
+            ref = ref_T
             assert len(plp) == len(prompt) and plp[0] is None
             np.testing.assert_allclose([e[0] for e in plp[1:]], ref[np.arange(len(prompt) - 1), prompt[1:]],
                                        atol=2e-4)
@@ -118,9 +125,7 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
         assert len(entries) == n
         if n == 0:
             continue
-        seq = np.asarray(prompt + ids, np.int32)[None]
-        logits = target.prefill(seq, target.init_cache(1, seq.shape[1])).logits[0]
-        ref = _log_softmax(np.asarray(logits, np.float32))[len(prompt) - 1:-1]  # position i predicts token i
+        ref = ref_T[len(prompt) - 1:len(prompt) - 1 + n]  # position len(prompt) - 1 + i predicts token i
         np.testing.assert_allclose([lp for lp, _ in entries], ref[np.arange(n), ids], atol=2e-4)
         for i, (_, tops) in enumerate(entries):
             assert len(tops) == top
