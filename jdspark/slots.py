@@ -223,16 +223,16 @@ class SlotBackend:
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         if hit is None:
-            first, *lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk,
+            first, lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk,
                                        ptop >= 0)
         else:
-            first, *lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
+            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
         entries = prompt = None
         if max(top, ptop) >= 0:
-            lp_first, lp_prompt = jax.device_get(lp[0])
+            lp_first, lp_prompt = jax.device_get(lp)
             if top >= 0:
                 entries = host_entries(lp_first.chosen_K, lp_first.top_ids_KL, lp_first.top_KL, 1, top)
             if ptop >= 0:  # the first prompt token has none (nothing before it)
@@ -243,10 +243,11 @@ class SlotBackend:
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
                 top_p: float):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
-        (the state donated and replaced): (the first token [1], and its ``TokenLogprobs`` where they are served)."""
-        self.state, *first = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p),
-                                    logprobs=self.max_logprobs)
-        return first
+        (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
+        else None)."""
+        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p),
+                                        logprobs=self.max_logprobs)
+        return first, (lp[0] if lp else None)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
                      top_p: float) -> tuple:
@@ -262,8 +263,8 @@ class SlotBackend:
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk,
                                      prompt_logprobs)
-        self.state, *first = insert_row(*args, **kw)
-        return first
+        self.state, first, *lp = insert_row(*args, **kw)
+        return first, (lp[0] if lp else None)
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
                      media_PD, chunk, prompt_logprobs: bool = False) -> tuple:
