@@ -145,8 +145,12 @@ def launch_arg_ms(calls: int = 30) -> dict:
     return res
 
 
+ROWS_KINDS = {"greedy": 0.0, "sampled": 1.0}  # rows' kinds timed: their temperature
+
+
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
-        steps_per_launch: int = 1, switch: bool = False, adaptive: bool = False) -> dict:
+        steps_per_launch: int = 1, switch: bool = False, adaptive: bool = False,
+        rows_kinds=("greedy", "sampled")) -> dict:
     import jdspark
     from jdspark.engine import SamplingRequest
     from jdspark.slots import SlotBackend
@@ -160,7 +164,7 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
         raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
                          f"after a {P}-token prompt; raise --max-len or lower --iters")
     rows, switches, context = [], [], []
-    for name, temp in (("greedy", 0.0), ("sampled", 1.0)):
+    for name, temp in ((n, ROWS_KINDS[n]) for n in rows_kinds):
         def refill(n, temp=temp):
             for s in range(n):
                 be.insert(s, SamplingRequest(tuple(prompts[s % len(prompts)]), 1, temperature=temp, seed=s))

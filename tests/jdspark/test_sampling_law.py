@@ -6,7 +6,6 @@ teacher-forced logits. The models are built, not trained (tests/jdspark/test_spe
 accepted and rejected (the histograms are asserted)."""
 
 import types
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,7 @@ import pytest
 from flax import nnx
 
 import kimi
-from jdspark import sampling, speculative
+from jdspark import speculative
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import SamplingRequest
 from jdspark.sampling import SamplingParams
@@ -149,19 +148,21 @@ def _slots_draws(target, drafter, prompt, sp: SamplingParams, n: int, T: int):
     return np.array([o[:T] for o in out], np.int32), be, drafted, accepted
 
 
-def test_serving_slots_sample_the_target_law_at_every_width(law_pair, sampling_form):
+def test_serving_slots_sample_the_target_law_at_every_width(law_pair):
     """The slots backend's sampled tokens follow the target's processed law at every position, with verify widths
     chosen by the adaptive scheduler (from the previous step's survival: lossless) and cycled through 1, 3, 5,
-    1000 rows in one batch, in both sampling forms (the CPU's and a GPU's). 8 positions x 2 checks at ALPHA per
-    form: false-failure rate <= 1.6e-3 each."""
+    1000 rows in one batch. 8 positions x 2 checks at ALPHA: false-failure rate <= 1.6e-3.
+
+    In this CPU's sampling form ("bisect", ``dispatch.sampling_form``) only: the other ("sort", a GPU's) differs in
+    the primitives alone (the nucleus and the draw), whose laws are tested in both forms (test_sampling.py:
+    ``draw``, the rejection rule and residual, processed logits), and whose per-row forms equal the static ones in
+    both (test_sampling_rows.py); what this test adds, the slots' keys, widths and commits, is the same code in
+    either form. (Run in both it cost ~33 s of a cold CI run each.)"""
     target, drafter = law_pair
     sp = SamplingParams(1.0, 0, 0.8)
     prompt = [3, 5, 4]
-    traced = []  # the form really traced: the sort form's nucleus is traced into the slots' programs
-    real = sampling._top_p_sorted
-    with mock.patch.object(sampling, "_top_p_sorted", lambda *a: traced.append(1) or real(*a)):
-        draws, be, drafted, accepted = _slots_draws(target, drafter, prompt, sp, N_SLOTS_LAW, 8)
-    assert bool(traced) == (sampling_form == "sort")
+    assert kimi.dispatch.sampling_form() == "bisect"
+    draws, be, drafted, accepted = _slots_draws(target, drafter, prompt, sp, N_SLOTS_LAW, 8)
     print(f"slots law: steps per width {dict(sorted(be.width_counts.items()))}, drafted {drafted}, "
           f"accepted {accepted}")
     assert 0 < accepted < drafted  # drafts both accepted and rejected
