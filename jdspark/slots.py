@@ -214,9 +214,6 @@ class SlotBackend:
         cap = self.G if req.speculative else 0
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-        if ptop >= 0 and chunk is not None:
-            raise ValueError(f"prompt log-probabilities need the prompt prefilled in one pass; a prompt of {n} tokens "
-                             f"is prefilled in chunks of {chunk} here (--prefill-chunk)")
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top)
         self.modes[slot] = mode
@@ -269,7 +266,7 @@ class SlotBackend:
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
                      media_PD, chunk, prompt_logprobs: bool = False) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
-        want = None if self.max_logprobs is None or chunk is not None else np.bool_(prompt_logprobs)
+        want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
                  np.int32(top_k), np.float32(top_p), media_PD, want),

@@ -270,14 +270,16 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     ``logprobs`` (static): also return, as a third item, (the first token's ``jdspark.logprobs.TokenLogprobs``
     with that many top entries, the prompt's or None): the prompt's [P] are prompt token i + 1's entries from
     position i's logits (the last valid one's and the padding's meaningless), computed where
-    ``want_prompt_logprobs`` (a traced scalar) says so, else zeros; one pass only (``chunk`` None: a chunked prefill
-    never holds every position's logits), else None."""
+    ``want_prompt_logprobs`` (a traced scalar; None: never) says so, else zeros. Chunked, each chunk's entries are
+    taken inside the chunk loop (``prefill_chunked``'s ``logits_fn``), so the prompt's [P, V] logits never exist."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     P = prompt_1P.shape[1]
     valid = jnp.reshape(prompt_len, (1,)).astype(jnp.int32)
     dcache = drafter.init_cache(1, max_len) if drafter is not None else None
+    prompt_lp = None
+    with_prompt = logprobs is not None and want_prompt_logprobs is not None
     if chunk is None:  # on a cache of the prompt's length, padded after (KimiCache.padded_to)
         pre = target.forward(prompt_1P, KimiCache.init(target.config, 1, min(P, max_len)), mode="prefill",
                              tap_layers=taps, valid_len_B=valid, media_MD=media_MD)
@@ -285,24 +287,31 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         cache = pre.cache.padded_to(max_len)
         if drafter is not None:
             dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
+        if with_prompt:
+            next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
+            prompt_lp = when(want_prompt_logprobs, pre.logits[0], next_P, logprobs)
     else:
         cache = KimiCache.init(target.config, 1, max_len)
 
         def to_drafter(dc, taps_1CX, v_1, start):
             return drafter.append_context(dc, taps_1CX, v_1[0], start_pos=start)
 
-        last_1V, cache, dcache = prefill_chunked(target, prompt_1P, cache, chunk=chunk, tap_layers=taps,
-                                                 valid_len_B=valid,
-                                                 taps_fn=to_drafter if drafter is not None else None,
-                                                 taps_init=dcache)
+        # position i's logits score prompt token i + 1: each chunk reads the next C tokens, one position on
+        next_Q = jnp.pad(prompt_1P[0, 1:], (0, chunked_positions(P, chunk) - P + 1))
+
+        def prompt_entries(logits_1CV, start):
+            lp = when(want_prompt_logprobs, logits_1CV[0], jax.lax.dynamic_slice(next_Q, (start,), (chunk,)),
+                      logprobs)
+            return jax.tree.map(lambda x: x[None], lp)
+
+        got, cache, dcache = prefill_chunked(target, prompt_1P, cache, chunk=chunk, tap_layers=taps,
+                                             valid_len_B=valid, taps_fn=to_drafter if drafter is not None else None,
+                                             taps_init=dcache, logits_fn=prompt_entries if with_prompt else None)
+        last_1V, prompt_lp = (got[0], jax.tree.map(lambda x: x[0], got[1])) if with_prompt else (got, None)
         last_logits = last_1V[0]
     k0, key = rng.split(key)
     first = sample(k0, last_logits[None], sp)
     if logprobs is not None:
-        prompt_lp = None
-        if chunk is None and want_prompt_logprobs is not None:
-            next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
-            prompt_lp = when(want_prompt_logprobs, pre.logits[0], next_P, logprobs)
         lp = (token_logprobs(last_logits[None], first, logprobs), prompt_lp)
         return Stream(first, cache, dcache, key), first, lp
     return Stream(first, cache, dcache, key), first

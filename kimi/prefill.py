@@ -34,7 +34,7 @@ def chunked_positions(T: int, chunk: int) -> int:
 
 def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layers: Sequence[int] = (),
                     valid_len_B=None, all_logits: bool = False, taps_fn: Optional[Callable] = None,
-                    taps_init=None):
+                    taps_init=None, logits_fn: Optional[Callable] = None):
     """Prefill ``tokens_BT`` (right-padded rows of ``valid_len_B`` tokens; all T when None) chunk by chunk.
 
     Returns ``(logits, cache, taps)``: logits [B, V] of each row's last valid token ([B, T, V] of every position
@@ -43,7 +43,12 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
     as the prompt goes, so the whole prompt's taps never exist at once): ``carry = taps_fn(carry, taps_BCX,
     valid_B, start)`` after each chunk (``valid_B`` of its C rows valid, ``start`` its first position), starting
     from ``taps_init``; the third return is then the final carry.
+    ``logits_fn(logits_BCV, start)`` (``start`` the chunk's first position) reduces each chunk's logits to a pytree
+    of [B, C, ...] per position (e.g. each prompt token's log-probability: the whole [B, T, V] never exists); the
+    first return is then (logits [B, V] of the last valid token, that pytree stacked to [B, T, ...]).
     Usable inside jit; the chunk loop is a ``lax.scan``, so the program does not grow with T."""
+    if all_logits and logits_fn is not None:
+        raise ValueError("prefill_chunked: all_logits and logits_fn are exclusive (all_logits is logits_fn = id)")
     B, T = tokens_BT.shape
     n = chunked_positions(T, chunk) // chunk
     if not isinstance(cache.length, jax.core.Tracer):
@@ -67,10 +72,11 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
         last_BV = jnp.where((v_B > 0)[:, None], here_BV, last_BV)
         if taps_fn is not None:
             user = taps_fn(user, out.taps, v_B, start)
-        ys = (out.logits if all_logits else None, out.taps if taps_fn is None else None)
+        per_position = out.logits if all_logits else (logits_fn(out.logits, start) if logits_fn else None)
+        ys = (per_position, out.taps if taps_fn is None else None)
         return (out.cache, last_BV, user), ys
 
-    (cache, last_BV, user), (logits_nBCV, taps_nBCX) = jax.lax.scan(
+    (cache, last_BV, user), (per_position_nBC_, taps_nBCX) = jax.lax.scan(
         step, (cache, jnp.zeros((B, V), jnp.float32), taps_init), (toks_nBC, starts_n))
 
     def unchunk(x_nBC_):
@@ -79,4 +85,8 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
         return jnp.moveaxis(x_nBC_, 0, 1).reshape((B, n * chunk) + x_nBC_.shape[3:])[:, :T]
 
     third = user if taps_fn is not None else unchunk(taps_nBCX)
-    return (unchunk(logits_nBCV) if all_logits else last_BV), cache, third
+    if all_logits:
+        return unchunk(per_position_nBC_), cache, third
+    if logits_fn is not None:
+        return (last_BV, jax.tree.map(unchunk, per_position_nBC_)), cache, third
+    return last_BV, cache, third

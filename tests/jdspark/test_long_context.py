@@ -84,15 +84,30 @@ def test_caches_sized_by_need_and_the_limit_named(tiny):
 
 
 def test_slots_insert_chunked_equals_one_pass(tiny):
+    """A slot prefilled in chunks of 16 holds what one pass leaves (target and drafter caches, the first token),
+    and the prompt's log-probabilities (echo) come out of the chunk loop equal to the target's own log_softmax of
+    the whole prompt's logits: prompt token i + 1's entry from position i, across the chunks' seams."""
     target, drafter, prompt = tiny
     rows = []
     for chunk in (0, CHUNK):
-        be = SlotBackend(target, drafter, num_slots=2, max_len=96, prompt_buckets=(P,), prefill_chunk=chunk)
-        first = be.insert(1, SamplingRequest(tuple(int(t) for t in prompt), 8))
-        rows.append((first.tokens, jax.tree.map(lambda a: np.asarray(a[1]), (be.state.cache, be.state.dcache))))
-    assert rows[0][0] == rows[1][0]
+        be = SlotBackend(target, drafter, num_slots=2, max_len=96, prompt_buckets=(P,), prefill_chunk=chunk,
+                         max_logprobs=3)
+        first = be.insert(1, SamplingRequest(tuple(int(t) for t in prompt), 8, logprobs=2, prompt_logprobs=3))
+        rows.append((first, jax.tree.map(lambda a: np.asarray(a[1]), (be.state.cache, be.state.dcache))))
+    assert rows[0][0].tokens == rows[1][0].tokens
     np.testing.assert_allclose(rows[1][1][0].kda_state, rows[0][1][0].kda_state, atol=1e-4, rtol=0)
     np.testing.assert_allclose(rows[1][1][1].k[..., :N_VALID], rows[0][1][1].k[..., :N_VALID], atol=1e-4)
+    logits = np.asarray(target.prefill(prompt[None], target.init_cache(1, N_VALID)).logits[0], np.float64)
+    ref = logits - logits.max(-1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(-1, keepdims=True))  # [N_VALID, V] log_softmax
+    for first, _ in rows:
+        entries = first.prompt_logprobs
+        assert len(entries) == N_VALID and entries[0] is None
+        np.testing.assert_allclose([e[0] for e in entries[1:]], ref[np.arange(N_VALID - 1), prompt[1:]], atol=1e-4)
+        np.testing.assert_allclose([[v for _, v in e[1]] for e in entries[1:]], -np.sort(-ref[:-1])[:, :3],
+                                   atol=1e-4)
+        (lp, tops), = first.logprobs
+        assert lp == pytest.approx(ref[-1, first.tokens[0]], abs=1e-4) and len(tops) == 2
     with pytest.raises(ValueError, match="prefill_chunk"):
         SlotBackend(target, drafter, num_slots=1, max_len=66, prompt_buckets=(P + 8,), prefill_chunk=CHUNK)
 
