@@ -124,12 +124,19 @@ class Request:
     decoder: object = None
 
     def usage(self) -> dict:
-        n = len(self.output_ids)
-        return {"prompt_tokens": len(self.sampling.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(self.sampling.prompt_ids) + n,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}, "drafted": self.drafted,
-                "accepted": self.accepted, "accept_len": (self.accepted + self.steps) / self.steps if self.steps
-                else 0.0}
+        return combined_usage([self])
+
+
+def combined_usage(reqs: Sequence[Request]) -> dict:
+    """The ``usage`` of one response whose choices are ``reqs`` (the API's ``n``: one prompt, n completions): the
+    prompt counted once (its cached tokens: the first choice's, the one that prefilled it), completion tokens,
+    drafts and accepted drafts summed, ``accept_len`` over all their target steps (SGLang's per-request spec stats)."""
+    first = reqs[0]
+    p, n = len(first.sampling.prompt_ids), sum(len(r.output_ids) for r in reqs)
+    drafted, accepted, steps = (sum(getattr(r, f) for r in reqs) for f in ("drafted", "accepted", "steps"))
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}, "drafted": drafted,
+            "accepted": accepted, "accept_len": (accepted + steps) / steps if steps else 0.0}
 
 
 def _stop_at(req: Request) -> int:
@@ -158,17 +165,24 @@ class Engine:
 
     # ------------------------------------------------------------------ caller side (any thread)
     def submit(self, req: Request) -> Request:
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: Sequence[Request]) -> list:
+        """Queue ``reqs`` together (one response's choices), all or none: QueueFull when they do not all fit."""
+        reqs = list(reqs)
         with self._cv:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error!r}")
-            if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_waiting})")
-            req.id = req.id or f"cmpl-{next(self._ids)}"
-            req.decoder = self.tokenizer.incremental_decoder()
-            self.waiting.append(req)
+            if len(self.waiting) + len(reqs) > self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (the queue holds {self.max_waiting})"
+                                + (f"; {len(reqs)} more do not fit" if len(reqs) > 1 else ""))
+            for req in reqs:
+                req.id = req.id or f"cmpl-{next(self._ids)}"
+                req.decoder = self.tokenizer.incremental_decoder()
+                self.waiting.append(req)
             self._gauges()
             self._cv.notify()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         """Ends ``req`` (a client went away): its slot is freed before the next step."""

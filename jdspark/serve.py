@@ -10,9 +10,13 @@ decoded incrementally. ``usage`` carries the completion's own acceptance (``draf
 ``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
 took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
-queue is full, 503 before the engine is ready); a request field this server does not implement (``n`` > 1,
-``echo``, penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value
-that asks for nothing. A client that disconnects frees its slot.
+queue is full, 503 before the engine is ready); a request field this server does not implement (``best_of`` > 1,
+penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks
+for nothing. A client that disconnects frees its slot.
+
+``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
+``seed + i`` (so choice i is what a request with that seed alone gets); queued together or not at all (429), and a
+client that goes away frees every choice's slot (``jdspark.serve_stream``). ``usage`` counts the prompt once.
 
 Log-probabilities (``jdspark.logprobs``): ``logprobs: N`` on ``/v1/completions`` (the API's legacy object: tokens,
 token_logprobs, top_logprobs, text_offset), ``logprobs: true`` and ``top_logprobs: N`` on chat (``content``
@@ -25,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import uvicorn
@@ -40,15 +45,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kimi
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
-from jdspark.engine import Engine, Event, QueueFull, SamplingRequest
+from jdspark.engine import Engine, QueueFull, SamplingRequest, combined_usage
 from jdspark.engine import Request as EngineRequest
-from jdspark.logprobs import MAX_LOGPROBS, chat_logprobs, completion_logprobs
+from jdspark.logprobs import MAX_LOGPROBS
 from jdspark.prefix import tree_bytes
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 from jdspark.serve_metrics import ServeMetrics
+from jdspark.serve_stream import Mailbox, collect, logprobs_object, sse
 from jdspark.slots import SlotBackend, multi_step_plan
 
-__all__ = ["ApiError", "build_app", "parse_completion"]
+__all__ = ["ApiError", "Parsed", "build_app", "parse_completion"]
 
 
 class ApiError(Exception):
@@ -78,7 +84,7 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "n": (1,), "best_of": (1,), "suffix": ("",), "prompt_logprobs": (0,),
+    "best_of": (1,), "suffix": ("",), "prompt_logprobs": (0,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
@@ -95,18 +101,28 @@ def _reject_unsupported(body: dict) -> None:
                             f"{shown}, which ask for nothing)", name, code="unsupported")
 
 
+class Parsed(NamedTuple):
+    """A request body, validated: what the engine serves and how the response is shaped."""
+    sampling: SamplingRequest
+    stop: tuple
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    echo: Optional[str]  # the prompt's text a completions response begins with (``"echo": true``), else None
+    n: int = 1  # choices
+
+
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
-                     max_logprobs: Optional[int] = None) -> tuple:
-    """(SamplingRequest, stop strings, ignore_eos, stream, include_usage, echo) from a request body, or ApiError;
-    ``echo``: the prompt's text a completions response begins with (``"echo": true``), else None.
+                     max_logprobs: Optional[int] = None, max_n: int = 1) -> Parsed:
+    """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-                      max_logprobs)
+                      max_logprobs, max_n)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -131,7 +147,7 @@ def _logprobs(body: dict, chat: bool, max_logprobs: Optional[int]) -> Optional[i
 
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs):
+           max_logprobs, max_n):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -215,46 +231,17 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _logprobs(body, chat, max_logprobs)
+    n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None)
-    return sp, stop, ignore_eos, stream, include_usage, echo_text if echo else None
-
-
-class _Mailbox:
-    """Engine events into the event loop's per-request queues with one wake-up per batch, not one per event.
-
-    The engine's thread commits a step's tokens for every active request at once; ``loop.call_soon_threadsafe``
-    per event writes the loop's self-pipe once per request (a system call each; with 16 streams `top` showed half
-    of this machine's CPU time in the kernel). ``post`` appends under a lock and schedules one
-    ``_flush`` while none is pending; ``_flush`` delivers everything posted so far, in order."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop, self._lock, self._items, self._scheduled = loop, threading.Lock(), [], False
-
-    def post(self, queue: asyncio.Queue, ev: Event) -> None:
-        with self._lock:
-            self._items.append((queue, ev))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self._loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop closed (shutting down): nothing will read these; let a later post retry
-            with self._lock:
-                self._scheduled = False
-            raise
-
-    def _flush(self) -> None:
-        with self._lock:
-            items, self._items, self._scheduled = self._items, [], False
-        for queue, ev in items:
-            queue.put_nowait(ev)
+    return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n))
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
               is_ready=lambda: True, max_prompt: Optional[int] = None,
-              spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None) -> FastAPI:
+              spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
+              max_n: int = 1) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     mailboxes: dict = {}  # one per running event loop (a test may serve the same app from more than one)
 
@@ -286,58 +273,50 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return err(ApiError(400, f"invalid JSON: {e}"))
         try:
-            sp, stop, ignore_eos, stream, include_usage, echo = parse_completion(
+            q = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
-                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs)
+                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
+                max_n=max_n)
         except ApiError as e:
             return err(e)
+        if q.n > engine.max_waiting:
+            return err(ApiError(400, f"'n' = {q.n} choices can never be queued together (the queue holds "
+                                     f"{engine.max_waiting})", "n"))
         loop = asyncio.get_running_loop()
-        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, _Mailbox(loop))
-        events: asyncio.Queue = asyncio.Queue()
-        req = EngineRequest(sp, lambda ev: mailbox.post(events, ev), stop=stop, ignore_eos=ignore_eos)
+        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
+        reqs = [EngineRequest(q.sampling if i == 0 else dataclasses.replace(q.sampling,
+                                                                             seed=(q.sampling.seed + i) % 2 ** 63),
+                              lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos)
+                for i in range(q.n)]
         try:
-            engine.submit(req)
+            engine.submit_all(reqs)
         except QueueFull as e:
             return err(ApiError(429, str(e), type_="rate_limit_error", code="queue_full"))
         except RuntimeError as e:
             return err(ApiError(503, str(e), type_="server_error"))
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
-        if stream:
-            return StreamingResponse(_sse(request, engine, req, events, chat, created, model_name, include_usage,
-                                          tokenizer, echo), media_type="text/event-stream")
-        text, last, ids, entries = [], None, [], []
-        try:
-            while True:
-                try:
-                    ev: Event = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.cancel(req)
-                        return Response(status_code=499)
-                    continue
-                text.append(ev.text)
-                if ev.prompt_logprobs is not None:
-                    ids, entries = list(sp.prompt_ids) + ids, ev.prompt_logprobs + entries
-                if ev.logprobs is not None:
-                    ids += ev.token_ids
-                    entries += ev.logprobs
-                if ev.finish_reason is not None:
-                    last = ev
-                    break
-        except asyncio.CancelledError:
-            engine.cancel(req)
-            raise
-        if last.error is not None:
-            return err(ApiError(400, last.error, "prompt"))
-        choice = {"index": 0, "finish_reason": last.finish_reason,
-                  "logprobs": _logprobs_object(tokenizer, chat, sp.logprobs, ids, entries, 0)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = (echo or "") + "".join(text)
-        return {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [choice],
-                "usage": last.usage}
+        if q.stream:
+            return StreamingResponse(sse(request, engine, reqs, events, chat, created, model_name, q.include_usage,
+                                         tokenizer, q.echo), media_type="text/event-stream")
+        got = await collect(request, engine, reqs, events)
+        if got is None:
+            return Response(status_code=499)
+        failed = next((c.last.error for c in got if c.last.error is not None), None)
+        if failed is not None:
+            return err(ApiError(400, failed, "prompt"))
+        choices = []
+        for i, c in enumerate(got):
+            choice = {"index": i, "finish_reason": c.last.finish_reason,
+                      "logprobs": logprobs_object(tokenizer, chat, q.sampling.logprobs, c.ids, c.entries, 0)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": "".join(c.text)}
+            else:
+                choice["text"] = (q.echo or "") + "".join(c.text)
+            choices.append(choice)
+        return {"id": reqs[0].id, "object": obj, "created": created, "model": model_name, "choices": choices,
+                "usage": combined_usage(reqs)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -348,80 +327,6 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         return await serve(request, chat=True)
 
     return app
-
-
-def _logprobs_object(tokenizer, chat: bool, top: Optional[int], ids: list, entries: list, offset: int):
-    """A choice's ``logprobs`` (None when the request asked for none)."""
-    if top is None:
-        return None
-    if chat:
-        return chat_logprobs(tokenizer, ids, entries, top)
-    return completion_logprobs(tokenizer, ids, entries, top, offset)
-
-
-async def _sse(request, engine, req, events, chat: bool, created: int, model_name: str, include_usage: bool,
-               tokenizer, echo: Optional[str] = None):
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    sent = [0]  # characters of text streamed so far (completions' text_offset)
-    echoed = [echo is None]
-
-    def chunk(text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None,
-              ids=None, entries=None) -> str:
-        lp = None
-        if ev is not None and ev.logprobs is not None:
-            ids, entries = ev.token_ids, ev.logprobs
-        if entries is not None:
-            lp = _logprobs_object(tokenizer, chat, req.sampling.logprobs, ids, entries, sent[0])
-        sent[0] += len(text or "")
-        if chat:
-            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
-        body = {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [choice]}
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-    def events_of(ev: Event, out: list) -> bool:
-        """Append ``ev``'s SSE events to ``out``; True when it ends the stream."""
-        if not echoed[0]:  # the prompt first (and its log-probabilities: the first event carries them)
-            echoed[0] = True
-            out.append(chunk(echo, None, ids=list(req.sampling.prompt_ids), entries=ev.prompt_logprobs))
-        if ev.text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
-            out.append(chunk(ev.text, None, ev=ev))
-        if ev.error is not None:
-            body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt", "code": None}}
-            out.append(f"data: {json.dumps(body)}\n\n")
-        if ev.finish_reason is None:
-            return False
-        out.append(chunk(None, ev.finish_reason))
-        if include_usage:
-            body = {"id": req.id, "object": obj, "created": created, "model": model_name, "choices": [],
-                    "usage": ev.usage}
-            out.append(f"data: {json.dumps(body, separators=(',', ':'))}\n\n")
-        out.append("data: [DONE]\n\n")
-        return True
-
-    done = False
-    try:
-        if chat:
-            yield chunk(None, None, first=True)
-        while not done:
-            try:
-                ev: Event = await asyncio.wait_for(events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return
-                continue
-            # every event already queued goes out in the same write (each still its own SSE event): one socket
-            # write per stream per engine launch, however many steps or tokens it committed
-            out: list = []
-            done = events_of(ev, out)
-            while not done and not events.empty():
-                done = events_of(events.get_nowait(), out)
-            yield "".join(out)
-    finally:
-        if not done:  # the client went away (or the task was cancelled): free the slot now
-            engine.cancel(req)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -468,6 +373,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "completions' logprobs)")
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false",
                     help="compile the programs without log-probabilities (a request asking for them is a 400)")
+    ap.add_argument("--max-n", type=int, default=16,
+                    help="the most choices a request may ask ('n'): each is a request of its own in the engine")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -479,6 +386,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--multi-step-max-batch: expected an int >= 0 (0: every batch bucket), got {a.multi_step_max_batch}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
+    if a.max_n < 1:
+        ap.error(f"--max-n: expected an int >= 1, got {a.max_n}")
     if a.max_logprobs < 0:
         ap.error(f"--max-logprobs: expected an int >= 0, got {a.max_logprobs}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
@@ -539,7 +448,7 @@ def main(argv=None) -> int:
                     # insert refuses it, saying so)
                     max_prompt=None if backend.prefix is not None else backend.prompt_buckets[-1],
                     spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision,
-                    max_logprobs=backend.max_logprobs)
+                    max_logprobs=backend.max_logprobs, max_n=a.max_n)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

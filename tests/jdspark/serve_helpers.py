@@ -1,8 +1,9 @@
 """A real uvicorn server on a loopback port over the real Engine and HTTP app, with a scripted backend (the model
-is replaced, nothing else): the backend's token for slot s after token t is (t + 1) % 256, so a request's text is
-known in advance; ``gate`` pauses steps (to fill the queue), ``drafts`` fakes acceptance per step; every insert
-says half its prompt came from the prefix cache; a request that asks for log-probabilities gets ``scripted_logprob``'s
-(known in advance too)."""
+is replaced, nothing else): the backend's token for slot s after token t is (t + 1) % 256, the first one the
+prompt's last byte + 1 + the request's seed (so choices of ``n`` differ), so a request's text is known in advance;
+``gate`` pauses steps (to fill the queue), ``drafts`` fakes acceptance per step; every insert says half its prompt
+came from the prefix cache; a request that asks for log-probabilities gets ``scripted_logprob``'s (known in
+advance too)."""
 
 import socket
 import threading
@@ -37,7 +38,7 @@ class ScriptedBackend:
         if req.prompt_ids[-1] == ord("~"):  # a prompt the device side refuses (as SlotBackend a too-long one)
             raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
-        self.last[slot] = (req.prompt_ids[-1] + 1) % 256
+        self.last[slot] = (req.prompt_ids[-1] + 1 + req.seed) % 256
         self.top[slot] = req.logprobs
         ptop = req.prompt_logprobs
         prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) for t in req.prompt_ids[1:]]
@@ -75,7 +76,7 @@ class LiveServer:
                              metrics=self.metrics).start()
         app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
                         max_context=max_context, metrics=self.metrics,
-                        spec_modes=("fixed",), max_logprobs=5)  # as a server started with --spec fixed
+                        spec_modes=("fixed",), max_logprobs=5, max_n=4)  # as a server started with --spec fixed
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -96,7 +97,7 @@ class LiveServer:
         self.engine.shutdown()
 
 
-def expected_text(prompt: str, n: int) -> str:
-    """The scripted backend's completion: bytes counting up from the prompt's last byte + 1."""
-    b = prompt.encode()[-1]
+def expected_text(prompt: str, n: int, seed: int = 0) -> str:
+    """The scripted backend's completion: bytes counting up from the prompt's last byte + 1 + seed."""
+    b = prompt.encode()[-1] + seed
     return bytes((b + 1 + i) % 256 for i in range(n)).decode("latin-1")

@@ -120,7 +120,9 @@ BAD = [
     ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean", "stream", 400),
     ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),
     ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
-    ({"prompt": "x", "n": 2}, "'n' = 2 is not supported", "n", 400),
+    ({"prompt": "x", "n": 5}, "'n' must be an integer in 1..4, got 5", "n", 400),
+    ({"prompt": "x", "n": 0}, "'n' must be an integer in 1..4, got 0", "n", 400),
+    ({"prompt": "x", "best_of": 2}, "'best_of' = 2 is not supported", "best_of", 400),
     ({"prompt": "x", "echo": "yes"}, "'echo' must be a boolean", "echo", 400),
     ({"prompt": "x", "echo": True, "max_tokens": -1}, "'max_tokens' must be an integer >= 0", "max_tokens", 400),
     ({"prompt": "x", "suffix": "y"}, "'suffix' = \"y\" is not supported", "suffix", 400),
@@ -269,11 +271,59 @@ def test_full_queue_answers_429_then_drains(srv):
             r = post()
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
             assert r.json()["error"]["type"] == "rate_limit_error"
+            # n choices are queued together or not at all; more than the queue could ever hold is a 400
+            many = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", "n": 2})
+            assert many.status_code == 429 and "2 more do not fit" in many.json()["error"]["message"]
+            assert _metric(_metrics(srv), "vllm:num_requests_waiting") == 8
             srv.backend.gate.set()
             assert [f.result().status_code for f in futs] == [200] * 9
     finally:
         srv.backend.gate.set()
     _wait_idle(srv)
+
+
+def test_n_choices_streamed_and_not(srv):
+    """``n``: choice i sampled with seed + i (the scripted backend's text shows the seed), each with its own
+    logprobs and finish; usage counts the prompt once and every choice's tokens and drafts; streamed, the choices'
+    chunks interleave by index, each ends with its own finish chunk, usage and [DONE] come once, after the last."""
+    body = {"prompt": "abc", "max_tokens": 6, "ignore_eos": True, "n": 3, "seed": 5, "logprobs": 1}
+    r = httpx.post(srv.url + "/v1/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in r["choices"]] == [expected_text("abc", 6, 5 + i) for i in range(3)]
+    assert all(c["finish_reason"] == "length" and len(c["logprobs"]["tokens"]) == 6 for c in r["choices"])
+    one = httpx.post(srv.url + "/v1/completions", json={**body, "n": 1, "seed": 7}).json()
+    assert one["choices"][0]["text"] == r["choices"][2]["text"]  # choice 2 of seed 5: the request of seed 7
+    u = r["usage"]
+    assert u["prompt_tokens"] == 4 and u["completion_tokens"] == 18 and u["total_tokens"] == 22
+    assert u["drafted"] == 3 * one["usage"]["drafted"] and u["accepted"] == 3 * one["usage"]["accepted"]
+    assert u["accept_len"] == pytest.approx(one["usage"]["accept_len"])
+    with httpx.stream("POST", srv.url + "/v1/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        lines = [ln for ln in s.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == u
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1]) and len({c["id"] for c in chunks}) == 1
+    for i in range(3):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == r["choices"][i]["text"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+        assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == list(r["choices"][i]["text"])
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = {"messages": msgs, "max_tokens": 4, "n": 2, "seed": 1}
+    c = httpx.post(srv.url + "/v1/chat/completions", json=chat).json()
+    prompt = srv.tok.apply_chat_template(msgs)
+    assert [x["message"]["content"] for x in c["choices"]] == [expected_text(prompt, 4, 1 + i) for i in range(2)]
+    streamed = _sse_chunks(srv, "/v1/chat/completions", chat)
+    assert [ch["choices"][0]["delta"] for ch in streamed[:2]] == [{"role": "assistant", "content": ""}] * 2
+    for i in range(2):
+        assert "".join(ch["choices"][0]["delta"].get("content", "") for ch in streamed
+                       if ch["choices"][0]["index"] == i) == c["choices"][i]["message"]["content"]
+    echo = httpx.post(srv.url + "/v1/completions", json={**body, "echo": True, "n": 2}).json()
+    assert [x["text"] for x in echo["choices"]] == ["abc" + t for t in (r["choices"][0]["text"],
+                                                                       r["choices"][1]["text"])]
+    assert all(x["logprobs"]["token_logprobs"][0] is None and len(x["logprobs"]["tokens"]) == 10
+               for x in echo["choices"])
 
 
 def test_disconnect_mid_stream_frees_the_slot(srv):
@@ -286,6 +336,14 @@ def test_disconnect_mid_stream_frees_the_slot(srv):
     m = _wait_idle(srv)
     assert _metric(m, "vllm:request_success_total", finished_reason="abort") == before + 1
     assert sorted(srv.backend.last) == []  # every slot freed on the device side too
+    with httpx.stream("POST", srv.url + "/v1/completions",  # n choices: every one of them
+                      json={"prompt": "z", "max_tokens": 3000, "stream": True, "ignore_eos": True, "n": 3}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 6:
+                break
+    m = _wait_idle(srv)
+    assert _metric(m, "vllm:request_success_total", finished_reason="abort") == before + 4
+    assert sorted(srv.backend.last) == []
 
 
 @pytest.fixture(scope="module")
@@ -469,14 +527,14 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
     import threading
 
     from jdspark.engine import Event
-    from jdspark.serve import _Mailbox
+    from jdspark.serve_stream import Mailbox
 
     loop = asyncio.new_event_loop()
     try:
         wakeups = []
         real = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda cb, *a: (wakeups.append(cb), real(cb, *a))[1]
-        box = _Mailbox(loop)
+        box = Mailbox(loop)
         queues = [asyncio.Queue() for _ in range(3)]
 
         def engine_thread(first, n):  # the loop is not running: nothing can flush while these are posted

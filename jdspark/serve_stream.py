@@ -1,0 +1,178 @@
+"""A response's choices from the engine's events: the event loop's mailbox, the collected (non-streaming) answer
+and the SSE stream, for one or ``n`` choices (the API's ``n``: one prompt, n completions, each its own engine
+request with its own seed, ``jdspark.serve``).
+
+Every choice's events arrive on one queue as (choice index, ``Event``), in the order the engine made them. A
+streamed response interleaves the choices' chunks (each names its ``index``, as OpenAI's do); each choice ends with
+its own finish chunk; ``usage`` (``stream_options.include_usage``) and ``data: [DONE]`` come once, after the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+from typing import Optional, Sequence
+
+from jdspark.engine import Event, combined_usage
+from jdspark.logprobs import chat_logprobs, completion_logprobs
+
+__all__ = ["Mailbox", "Choice", "collect", "sse"]
+
+
+class Mailbox:
+    """Engine events into the event loop's per-request queues with one wake-up per batch, not one per event.
+
+    The engine's thread commits a step's tokens for every active request at once; ``loop.call_soon_threadsafe``
+    per event writes the loop's self-pipe once per request (a system call each; with 16 streams `top` showed half
+    of this machine's CPU time in the kernel). ``post`` appends under a lock and schedules one
+    ``_flush`` while none is pending; ``_flush`` delivers everything posted so far, in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop, self._lock, self._items, self._scheduled = loop, threading.Lock(), [], False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self._lock:
+            self._items.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop closed (shutting down): nothing will read these; let a later post retry
+            with self._lock:
+                self._scheduled = False
+            raise
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+def logprobs_object(tokenizer, chat: bool, top: Optional[int], ids: list, entries: list, offset: int):
+    """A choice's ``logprobs`` (None when the request asked for none)."""
+    if top is None:
+        return None
+    if chat:
+        return chat_logprobs(tokenizer, ids, entries, top)
+    return completion_logprobs(tokenizer, ids, entries, top, offset)
+
+
+@dataclasses.dataclass
+class Choice:
+    """What one choice has received so far: its text pieces, the token ids and log-probability entries it shows
+    (an echo's prompt first), and the event that ended it."""
+    text: list = dataclasses.field(default_factory=list)
+    ids: list = dataclasses.field(default_factory=list)
+    entries: list = dataclasses.field(default_factory=list)
+    last: Optional[Event] = None
+
+    def add(self, ev: Event, prompt_ids) -> None:
+        self.text.append(ev.text)
+        if ev.prompt_logprobs is not None:
+            self.ids, self.entries = list(prompt_ids) + self.ids, ev.prompt_logprobs + self.entries
+        if ev.logprobs is not None:
+            self.ids += ev.token_ids
+            self.entries += ev.logprobs
+        if ev.finish_reason is not None:
+            self.last = ev
+
+
+async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Optional[list]:
+    """Every choice's events until each has finished: the ``Choice`` list, or None when the client went away
+    (every choice cancelled: their slots are freed)."""
+    got = [Choice() for _ in reqs]
+    left = len(reqs)
+    try:
+        while left:
+            try:
+                i, ev = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    for r in reqs:
+                        engine.cancel(r)
+                    return None
+                continue
+            got[i].add(ev, reqs[i].sampling.prompt_ids)
+            left -= ev.finish_reason is not None
+    except asyncio.CancelledError:
+        for r in reqs:
+            engine.cancel(r)
+        raise
+    return got
+
+
+async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool, created: int, model_name: str,
+              include_usage: bool, tokenizer, echo: Optional[str] = None):
+    """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    rid = reqs[0].id
+    sent = [0] * len(reqs)  # characters of text streamed so far, per choice (completions' text_offset)
+    echoed = [echo is None] * len(reqs)
+    finished = [False] * len(reqs)
+
+    def data(body: dict) -> str:
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def chunk(i: int, text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None,
+              ids=None, entries=None) -> str:
+        lp = None
+        if ev is not None and ev.logprobs is not None:
+            ids, entries = ev.token_ids, ev.logprobs
+        if entries is not None:
+            lp = logprobs_object(tokenizer, chat, reqs[i].sampling.logprobs, ids, entries, sent[i])
+        sent[i] += len(text or "")
+        if chat:
+            delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+        else:
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
+        return data({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]})
+
+    def events_of(i: int, ev: Event, out: list) -> bool:
+        """Append choice ``i``'s SSE events for ``ev`` to ``out``; True when the whole stream has ended."""
+        if not echoed[i]:  # the prompt first (and its log-probabilities: the first event carries them)
+            echoed[i] = True
+            out.append(chunk(i, echo, None, ids=list(reqs[i].sampling.prompt_ids), entries=ev.prompt_logprobs))
+        if ev.text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
+            out.append(chunk(i, ev.text, None, ev=ev))
+        if ev.error is not None:
+            body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt", "code": None}}
+            out.append(f"data: {json.dumps(body)}\n\n")
+        if ev.finish_reason is None:
+            return False
+        out.append(chunk(i, None, ev.finish_reason))
+        finished[i] = True
+        if not all(finished):
+            return False
+        if include_usage:
+            out.append(data({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
+                             "usage": combined_usage(reqs)}))
+        out.append("data: [DONE]\n\n")
+        return True
+
+    done = False
+    try:
+        if chat:
+            yield "".join(chunk(i, None, None, first=True) for i in range(len(reqs)))
+        while not done:
+            try:
+                item = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            # every event already queued goes out in the same write (each still its own SSE event): one socket
+            # write per stream per engine launch, however many steps or tokens it committed
+            out: list = []
+            done = events_of(*item, out)
+            while not done and not events.empty():
+                done = events_of(*events.get_nowait(), out)
+            yield "".join(out)
+    finally:
+        if not done:  # the client went away (or the task was cancelled): free the slots now
+            for r in reqs:
+                engine.cancel(r)
