@@ -15,8 +15,10 @@ penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unl
 for nothing. A client that disconnects frees its slot.
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
-``seed + i`` (so choice i is what a request with that seed alone gets); queued together or not at all (429), and a
-client that goes away frees every choice's slot (``jdspark.serve_stream``). ``usage`` counts the prompt once.
+``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
+``spec_mode`` fixed; under adaptive verification the widths, and so the keys drawn, follow the load: the same
+law); queued together or not at all (429), and a client that goes away frees every choice's slot
+(``jdspark.serve_stream``). ``usage`` counts the prompt once.
 
 Log-probabilities (``jdspark.logprobs``): ``logprobs: N`` on ``/v1/completions`` (the API's legacy object: tokens,
 token_logprobs, top_logprobs, text_offset), ``logprobs: true`` and ``top_logprobs: N`` on chat (``content``
