@@ -18,7 +18,8 @@ for nothing. A client that disconnects frees its slot.
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
 ``spec_mode`` fixed; under adaptive verification the widths, and so the keys drawn, follow the load: the same
 law); queued together or not at all (429), and a client that goes away frees every choice's slot
-(``jdspark.serve_stream``). ``usage`` counts the prompt once.
+(``jdspark.serve_stream``). ``usage`` counts the prompt once. ``best_of`` (completions, >= n, not streamed):
+that many completions, the n with the highest mean log-probability per token returned (``usage`` counts them all).
 
 Log-probabilities (``jdspark.logprobs``): ``logprobs: N`` on ``/v1/completions`` (the API's legacy object: tokens,
 token_logprobs, top_logprobs, text_offset), ``logprobs: true`` and ``top_logprobs: N`` on chat (``content``
@@ -86,7 +87,7 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "best_of": (1,), "suffix": ("",), "prompt_logprobs": (0,),
+    "suffix": ("",), "prompt_logprobs": (0,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
     "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
@@ -112,6 +113,7 @@ class Parsed(NamedTuple):
     include_usage: bool
     echo: Optional[str]  # the prompt's text a completions response begins with (``"echo": true``), else None
     n: int = 1  # choices
+    best_of: int = 1  # completions generated, the n likeliest returned (completions' ``best_of``; >= n)
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -234,10 +236,18 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _logprobs(body, chat, max_logprobs)
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
+    if chat and body.get("best_of") not in (None, 1, n):
+        raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",
+                       "best_of", code="unsupported")
+    best_of = _get(body, "best_of", (int,), n, lambda v: n <= v <= max_n, f"an integer in {n}..{max_n} (>= n)")
+    if best_of > n and stream:
+        raise ApiError(400, "'best_of' > 'n' cannot be streamed (the likeliest are known only when all have ended)",
+                       "best_of")
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None)
-    return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n))
+    return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
+                  int(best_of))
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
@@ -281,16 +291,19 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                 max_n=max_n)
         except ApiError as e:
             return err(e)
-        if q.n > engine.max_waiting:
-            return err(ApiError(400, f"'n' = {q.n} choices can never be queued together (the queue holds "
-                                     f"{engine.max_waiting})", "n"))
+        if q.best_of > engine.max_waiting:
+            name = "best_of" if q.best_of > q.n else "n"
+            return err(ApiError(400, f"'{name}' = {q.best_of} completions can never be queued together (the queue "
+                                     f"holds {engine.max_waiting})", name))
+        # best_of > n: every completion's own log-probabilities rank them (asked or not)
+        ranked = q.sampling if q.best_of == q.n or q.sampling.logprobs is not None else dataclasses.replace(
+            q.sampling, logprobs=0)
         loop = asyncio.get_running_loop()
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
-        reqs = [EngineRequest(q.sampling if i == 0 else dataclasses.replace(q.sampling,
-                                                                             seed=(q.sampling.seed + i) % 2 ** 63),
+        reqs = [EngineRequest(ranked if i == 0 else dataclasses.replace(ranked, seed=(ranked.seed + i) % 2 ** 63),
                               lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos)
-                for i in range(q.n)]
+                for i in range(q.best_of)]
         try:
             engine.submit_all(reqs)
         except QueueFull as e:
@@ -308,6 +321,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         failed = next((c.last.error for c in got if c.last.error is not None), None)
         if failed is not None:
             return err(ApiError(400, failed, "prompt"))
+        if q.best_of > q.n:  # the n with the highest mean log-probability per token (OpenAI's "best"), in order
+            got = sorted(got, key=lambda c: -c.mean_logprob)[:q.n]
         choices = []
         for i, c in enumerate(got):
             choice = {"index": i, "finish_reason": c.last.finish_reason,

@@ -69,6 +69,13 @@ class Choice:
     ids: list = dataclasses.field(default_factory=list)
     entries: list = dataclasses.field(default_factory=list)
     last: Optional[Event] = None
+    logprob_sum: float = 0.0  # of the generated tokens (an echoed prompt's not counted)
+    generated: int = 0
+
+    @property
+    def mean_logprob(self) -> float:
+        """The generated tokens' mean log-probability (``best_of``'s ranking; 0 with none)."""
+        return self.logprob_sum / self.generated if self.generated else 0.0
 
     def add(self, ev: Event, prompt_ids) -> None:
         self.text.append(ev.text)
@@ -77,6 +84,8 @@ class Choice:
         if ev.logprobs is not None:
             self.ids += ev.token_ids
             self.entries += ev.logprobs
+            self.logprob_sum += sum(e[0] for e in ev.logprobs)
+            self.generated += len(ev.logprobs)
         if ev.finish_reason is not None:
             self.last = ev
 

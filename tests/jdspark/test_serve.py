@@ -122,7 +122,8 @@ BAD = [
     ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
     ({"prompt": "x", "n": 5}, "'n' must be an integer in 1..4, got 5", "n", 400),
     ({"prompt": "x", "n": 0}, "'n' must be an integer in 1..4, got 0", "n", 400),
-    ({"prompt": "x", "best_of": 2}, "'best_of' = 2 is not supported", "best_of", 400),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "'best_of' must be an integer in 2..4 (>= n), got 1", "best_of", 400),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "cannot be streamed", "best_of", 400),
     ({"prompt": "x", "echo": "yes"}, "'echo' must be a boolean", "echo", 400),
     ({"prompt": "x", "echo": True, "max_tokens": -1}, "'max_tokens' must be an integer >= 0", "max_tokens", 400),
     ({"prompt": "x", "suffix": "y"}, "'suffix' = \"y\" is not supported", "suffix", 400),
@@ -324,6 +325,29 @@ def test_n_choices_streamed_and_not(srv):
                                                                        r["choices"][1]["text"])]
     assert all(x["logprobs"]["token_logprobs"][0] is None and len(x["logprobs"]["tokens"]) == 10
                for x in echo["choices"])
+
+
+def test_best_of_returns_the_likeliest_completions(srv):
+    """``best_of`` 4, n 2: four completions (seeds 3..6), the two with the highest mean log-probability per token
+    returned in that order; without logprobs asked they rank all the same and the choices show none; usage counts
+    all four; chat refuses it by name."""
+    body = {"prompt": "abc", "max_tokens": 5, "ignore_eos": True, "n": 2, "best_of": 4, "seed": 3}
+    cands = []
+    for i in range(4):
+        text = expected_text("abc", 5, 3 + i)
+        cands.append((-np.mean([scripted_logprob(ord(ch), 0)[0] for ch in text]), i, text))
+    assert len({c[0] for c in cands}) == 4  # no ties: the order is the ranking's
+    want = [text for _, _, text in sorted(cands)[:2]]
+    assert want != [c[2] for c in cands[:2]]  # not merely the first two
+    for asked in (None, 1):
+        r = httpx.post(srv.url + "/v1/completions", json={**body, "logprobs": asked}).json()
+        assert [c["index"] for c in r["choices"]] == [0, 1]
+        assert [c["text"] for c in r["choices"]] == want
+        assert r["usage"]["completion_tokens"] == 20
+        assert all((c["logprobs"] is None) == (asked is None) for c in r["choices"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "n": 1, "best_of": 2}
+    bad = httpx.post(srv.url + "/v1/chat/completions", json=chat)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "best_of"
 
 
 def test_disconnect_mid_stream_frees_the_slot(srv):
