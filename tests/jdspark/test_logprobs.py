@@ -1,7 +1,8 @@
 """Log-probabilities of served tokens (``jdspark.logprobs``): the device form against NumPy, then a served
 request's entries against an independent computation, the target's prefill of prompt + completion (every
 position's logits in one pass), for greedy and sampled requests whose drafts were both accepted and rejected,
-speculation off, a first token from a prefix-cache hit, and a request without them beside the others; and
+speculation off, a first token from a prefix-cache hit, a request without them beside the others, and launches of two
+steps (multi-step scheduling: reading step t of a launch as step 0 fails); and
 scripts/bench_logprobs.py's arms side by side (on the same pair and shapes, so its programs with log-probabilities
 are the served test's)."""
 
@@ -64,7 +65,7 @@ def pair():
 def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
     target, drafter = pair
     be = SlotBackend(target, drafter, num_slots=2, max_len=96, prompt_buckets=(32,), batch_buckets=(2,),
-                     prefix_pool=2, prefix_min_tokens=8, max_logprobs=3)
+                     prefix_pool=2, prefix_min_tokens=8, max_logprobs=3, multi_step=2)
     eng = Engine(be, ByteTokenizer(), eos_token_id=None, max_waiting=8).start()
     rng = np.random.default_rng(1)
     base = [1] + rng.integers(3, 64, 19).tolist()
@@ -77,6 +78,9 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
         # the prompt's too (echo): prefilled whole, past the kept `base` it begins with; and the prompt alone
         (base + rng.integers(3, 64, 4).tolist(), 6, dict(prompt_logprobs=2), 2),
         ([1] + rng.integers(3, 64, 9).tolist(), 0, dict(prompt_logprobs=0), None),
+        # last in, so it ends the run with nothing waiting: launches of 2 steps (multi_step), log-probabilities
+        # asked, read back by ``collect`` step by step
+        ([1] + rng.integers(3, 64, 12).tolist(), 30, dict(), 2),
     ]
     got = []
     try:
@@ -91,6 +95,7 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
             time.sleep(0.05)
     finally:
         eng.shutdown()
+    assert be.launch_steps[2] > 0 and be.launch_steps[1] > 0
     assert got[1][0].cached_tokens == len(base)  # its first token came from the extension program
     assert got[5][0].cached_tokens == 0  # the prompt's log-probabilities: no cache hit
     drafted = sum(r.drafted for r, _ in got)
