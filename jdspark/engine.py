@@ -106,6 +106,7 @@ class Request:
     on_event: Callable[[Event], None]
     stop: tuple = ()
     ignore_eos: bool = False
+    keep_special: frozenset = frozenset()  # special ids its text shows (a tool-call format's markers)
     id: str = ""
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     # filled by the engine
@@ -178,7 +179,7 @@ class Engine:
                                 + (f"; {len(reqs)} more do not fit" if len(reqs) > 1 else ""))
             for req in reqs:
                 req.id = req.id or f"cmpl-{next(self._ids)}"
-                req.decoder = self.tokenizer.incremental_decoder()
+                req.decoder = self.tokenizer.incremental_decoder(keep_special=req.keep_special)
                 self.waiting.append(req)
             self._gauges()
             self._cv.notify()

@@ -10,9 +10,14 @@ decoded incrementally. ``usage`` carries the completion's own acceptance (``draf
 ``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
 took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
-queue is full, 503 before the engine is ready); a request field this server does not implement (``best_of`` > 1,
-penalties, ``logit_bias``, tools: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks
+queue is full, 503 before the engine is ready); a request field this server does not implement (penalties,
+``logit_bias``, ``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks
 for nothing. A client that disconnects frees its slot.
+
+Tools (chat): ``tools`` with ``tool_choice`` "auto" (or "none") are rendered by the checkpoint's chat template, and
+the answer's calls are read in ``--tool-call-parser``'s format (Kimi K2's; ``jdspark.tool_calls``) into the
+message's ``tool_calls`` with ``finish_reason`` "tool_calls"; earlier turns' ``tool_calls`` and ``tool`` results are
+passed to the template. Forcing a call ("required", a named function) needs constrained decoding: a 400.
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
@@ -47,6 +52,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kimi
+from jdspark import tool_calls
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, QueueFull, SamplingRequest, combined_usage
 from jdspark.engine import Request as EngineRequest
@@ -89,8 +95,8 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 UNSUPPORTED_FIELDS = {
     "suffix": ("",), "prompt_logprobs": (0,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "response_format": ({"type": "text"},),
+    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "functions": ([],),
+    "response_format": ({"type": "text"},),
 }
 
 
@@ -114,19 +120,22 @@ class Parsed(NamedTuple):
     echo: Optional[str]  # the prompt's text a completions response begins with (``"echo": true``), else None
     n: int = 1  # choices
     best_of: int = 1  # completions generated, the n likeliest returned (completions' ``best_of``; >= n)
+    tools: bool = False  # the tools were rendered: the answer's tool calls are parsed (``jdspark.tool_calls``)
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
-                     max_logprobs: Optional[int] = None, max_n: int = 1) -> Parsed:
-    """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``).
+                     max_logprobs: Optional[int] = None, max_n: int = 1,
+                     tool_parser: Optional[str] = None) -> Parsed:
+    """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``);
+    ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-                      max_logprobs, max_n)
+                      max_logprobs, max_n, tool_parser)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -150,8 +159,60 @@ def _logprobs(body: dict, chat: bool, max_logprobs: Optional[int]) -> Optional[i
     return asked
 
 
+def _tools(body: dict, chat: bool, tokenizer, tool_parser: Optional[str]) -> Optional[list]:
+    """The tools to render (None: none), from chat's ``tools`` and ``tool_choice`` ("auto" or "none"; forcing a
+    call, "required" or a named function, needs constrained decoding, which is not built)."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not chat:
+        for name in ("tools", "tool_choice"):
+            if body.get(name) not in (None, [], "none"):
+                raise ApiError(400, f"'{name}' is only taken on /v1/chat/completions", name, code="unsupported")
+        return None
+    if tools is not None and not (isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools)):
+        raise ApiError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
+                            "\"parameters\": ...}}", "tools")
+    if choice not in (None, "auto", "none"):
+        raise ApiError(400, f"'tool_choice' = {json.dumps(choice)[:60]} is not supported (it accepts \"auto\" or "
+                            "\"none\": forcing a call needs constrained decoding, which this server does not do)",
+                       "tool_choice", code="unsupported")
+    if not tools or choice == "none":
+        return None
+    if tool_parser is None:
+        raise ApiError(400, "'tools': this server reads no tool calls (started with --tool-call-parser none)",
+                       "tools", code="unsupported")
+    if "tools" not in (tokenizer.chat_template or ""):
+        raise ApiError(400, "'tools': this checkpoint's chat template renders no tools", "tools",
+                       code="unsupported")
+    return tools
+
+
+def _message(m: dict, i: int, vision) -> tuple:
+    """(the message as the chat template reads it, its images): role, content (text), and an assistant turn's
+    ``tool_calls`` / a tool result's ``tool_call_id`` and ``name``, passed through."""
+    content = m.get("content")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not (isinstance(calls, list) and all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                for c in calls)):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                                "\"function\": {\"name\", \"arguments\"}} (arguments a JSON string)", "messages")
+        if content is None:
+            content = ""  # an assistant turn that only called tools
+    text, imgs = message_text(content, i, vision)
+    out = {"role": m.get("role"), "content": text}
+    for k in ("tool_calls", "tool_call_id", "name"):
+        if m.get(k) is not None:
+            out[k] = m[k]
+    return out, imgs
+
+
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs, max_n):
+           max_logprobs, max_n, tool_parser):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -170,13 +231,14 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         msgs, images, vin = list(msgs), [], None
         for i, m in enumerate(msgs):
             if isinstance(m, dict):
-                text, imgs = message_text(m.get("content"), i, vision)
-                msgs[i] = {"role": m.get("role"), "content": text}
+                msgs[i], imgs = _message(m, i, vision)
                 images += imgs
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
-        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        tools = _tools(body, chat, tokenizer, tool_parser)
+        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+                                                 **({} if tools is None else {"tools": tools}))
         if images:
             ids, vin = encode_with_images(tokenizer, rendered, images, vision)
         else:
@@ -184,7 +246,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
             ids = [tokenizer.bos_id] + ids
     else:
-        vin = None  # images come only as chat content parts
+        vin, tools = None, _tools(body, chat, tokenizer, tool_parser)  # images come only as chat content parts
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt")
         prompt = body["prompt"]
@@ -247,14 +309,15 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
-                  int(best_of))
+                  int(best_of), tools is not None)
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
               is_ready=lambda: True, max_prompt: Optional[int] = None,
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
-              max_n: int = 1) -> FastAPI:
+              max_n: int = 1, tool_parser: Optional[str] = None) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
+    markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     mailboxes: dict = {}  # one per running event loop (a test may serve the same app from more than one)
 
     def err(e: ApiError):
@@ -288,7 +351,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             q = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
                 chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
-                max_n=max_n)
+                max_n=max_n, tool_parser=tool_parser)
         except ApiError as e:
             return err(e)
         if q.best_of > engine.max_waiting:
@@ -302,7 +365,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
         reqs = [EngineRequest(ranked if i == 0 else dataclasses.replace(ranked, seed=(ranked.seed + i) % 2 ** 63),
-                              lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos)
+                              lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos,
+                              keep_special=markers if q.tools else frozenset())
                 for i in range(q.best_of)]
         try:
             engine.submit_all(reqs)
@@ -314,7 +378,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         obj = "chat.completion" if chat else "text_completion"
         if q.stream:
             return StreamingResponse(sse(request, engine, reqs, events, chat, created, model_name, q.include_usage,
-                                         tokenizer, q.echo), media_type="text/event-stream")
+                                         tokenizer, q.echo, q.tools), media_type="text/event-stream")
         got = await collect(request, engine, reqs, events)
         if got is None:
             return Response(status_code=499)
@@ -328,7 +392,11 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             choice = {"index": i, "finish_reason": c.last.finish_reason,
                       "logprobs": logprobs_object(tokenizer, chat, q.sampling.logprobs, c.ids, c.entries, 0)}
             if chat:
-                choice["message"] = {"role": "assistant", "content": "".join(c.text)}
+                content, calls = tool_calls.parse("".join(c.text)) if q.tools else ("".join(c.text), [])
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:  # as vLLM: whatever ended the text, its calls are the answer
+                    choice["message"]["tool_calls"] = [call.as_api() for call in calls]
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = (q.echo or "") + "".join(c.text)
             choices.append(choice)
@@ -392,6 +460,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compile the programs without log-probabilities (a request asking for them is a 400)")
     ap.add_argument("--max-n", type=int, default=16,
                     help="the most choices a request may ask ('n'): each is a request of its own in the engine")
+    ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",
+                    help="the format chat answers' tool calls are read in, when a request has 'tools' (rendered by "
+                         "the checkpoint's chat template; none: requests with tools are refused)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -465,7 +536,8 @@ def main(argv=None) -> int:
                     # insert refuses it, saying so)
                     max_prompt=None if backend.prefix is not None else backend.prompt_buckets[-1],
                     spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision,
-                    max_logprobs=backend.max_logprobs, max_n=a.max_n)
+                    max_logprobs=backend.max_logprobs, max_n=a.max_n,
+                    tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from jdspark.engine import Event, combined_usage
 from jdspark.logprobs import chat_logprobs, completion_logprobs
+from jdspark.tool_calls import Splitter
 
 __all__ = ["Mailbox", "Choice", "collect", "sse"]
 
@@ -115,19 +116,21 @@ async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Opt
 
 
 async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool, created: int, model_name: str,
-              include_usage: bool, tokenizer, echo: Optional[str] = None):
-    """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice."""
+              include_usage: bool, tokenizer, echo: Optional[str] = None, tools: bool = False):
+    """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice.
+    ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls sent at its end)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid = reqs[0].id
     sent = [0] * len(reqs)  # characters of text streamed so far, per choice (completions' text_offset)
     echoed = [echo is None] * len(reqs)
     finished = [False] * len(reqs)
+    splitters = [Splitter() for _ in reqs] if tools else None
 
     def data(body: dict) -> str:
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def chunk(i: int, text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None,
-              ids=None, entries=None) -> str:
+              ids=None, entries=None, calls=None) -> str:
         lp = None
         if ev is not None and ev.logprobs is not None:
             ids, entries = ev.token_ids, ev.logprobs
@@ -136,6 +139,8 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
         sent[i] += len(text or "")
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            if calls is not None:
+                delta = {"tool_calls": calls}
             choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
@@ -146,14 +151,23 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
         if not echoed[i]:  # the prompt first (and its log-probabilities: the first event carries them)
             echoed[i] = True
             out.append(chunk(i, echo, None, ids=list(reqs[i].sampling.prompt_ids), entries=ev.prompt_logprobs))
-        if ev.text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
-            out.append(chunk(i, ev.text, None, ev=ev))
+        text = ev.text if splitters is None else splitters[i].feed(ev.text)
+        if text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
+            out.append(chunk(i, text, None, ev=ev))
         if ev.error is not None:
             body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt", "code": None}}
             out.append(f"data: {json.dumps(body)}\n\n")
         if ev.finish_reason is None:
             return False
-        out.append(chunk(i, None, ev.finish_reason))
+        finish = ev.finish_reason
+        if splitters is not None:
+            rest, calls = splitters[i].finish()
+            if rest:
+                out.append(chunk(i, rest, None))
+            for k, call in enumerate(calls):  # each call whole, in a delta of its own
+                out.append(chunk(i, None, None, calls=[call.as_api(index=k)]))
+            finish = "tool_calls" if calls else finish
+        out.append(chunk(i, None, finish))
         finished[i] = True
         if not all(finished):
             return False

@@ -83,13 +83,14 @@ class IncrementalDecoder:
     """Text from a stream of ids: ``add(ids)`` returns the text that is complete so far; bytes of a character not
     yet finished are held back (never emitted as U+FFFD) until a later id completes it or ``flush()``."""
 
-    def __init__(self, tokenizer: "Tokenizer", *, skip_special: bool = True):
+    def __init__(self, tokenizer: "Tokenizer", *, skip_special: bool = True, keep_special=frozenset()):
         self._tok = tokenizer
-        self._skip = skip_special
+        self._skip, self._keep = skip_special, frozenset(keep_special)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, ids) -> str:
-        return self._utf8.decode(self._tok.decode_bytes(ids, skip_special=self._skip), final=False)
+        return self._utf8.decode(self._tok.decode_bytes(ids, skip_special=self._skip, keep_special=self._keep),
+                                 final=False)
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
@@ -169,15 +170,19 @@ class Tokenizer:
         b = self._token_bytes[i] if i < len(self._token_bytes) else None
         return b or b""
 
-    def decode_bytes(self, ids, *, skip_special: bool = True) -> bytes:
+    def decode_bytes(self, ids, *, skip_special: bool = True, keep_special=frozenset()) -> bytes:
+        """The bytes of ``ids``; with ``skip_special`` special tokens are left out, but for those in
+        ``keep_special`` (ids whose names a reader of the text needs: a tool-call format's markers)."""
         arr = self.check_ids(ids)
-        return b"".join(self.token_bytes(int(i)) for i in arr if not (skip_special and int(i) in self.special_ids))
+        return b"".join(self.token_bytes(int(i)) for i in arr
+                        if not (skip_special and int(i) in self.special_ids and int(i) not in keep_special))
 
-    def decode(self, ids, *, skip_special: bool = True) -> str:
-        return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
+    def decode(self, ids, *, skip_special: bool = True, keep_special=frozenset()) -> str:
+        return self.decode_bytes(ids, skip_special=skip_special, keep_special=keep_special).decode(
+            "utf-8", errors="replace")
 
-    def incremental_decoder(self, *, skip_special: bool = True) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special=skip_special)
+    def incremental_decoder(self, *, skip_special: bool = True, keep_special=frozenset()) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special=skip_special, keep_special=keep_special)
 
     # -------------------------------------------------------------- chat
     def apply_chat_template(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,

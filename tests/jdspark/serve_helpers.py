@@ -24,8 +24,10 @@ def scripted_logprob(t: int, top: int) -> tuple:
 
 
 class ScriptedBackend:
-    def __init__(self, num_slots, tokens_per_step=3, eos=None):
+    def __init__(self, num_slots, tokens_per_step=3, eos=None, reply=None):
         self.num_slots, self.k, self.eos = num_slots, tokens_per_step, eos
+        # ``reply`` (ids): what a prompt holding the bytes "[reply]" is answered, then EOS
+        self.reply, self.queued = reply, {}
         self.last, self.top = {}, {}
         self.gate = threading.Event()
         self.gate.set()
@@ -39,6 +41,9 @@ class ScriptedBackend:
             raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
         self.last[slot] = (req.prompt_ids[-1] + 1 + req.seed) % 256
+        if self.reply is not None and b"[reply]" in bytes(t for t in req.prompt_ids if t < 256):
+            self.queued[slot] = list(self.reply) + [self.eos]
+            self.last[slot] = self.queued[slot].pop(0)
         self.top[slot] = req.logprobs
         ptop = req.prompt_logprobs
         prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) for t in req.prompt_ids[1:]]
@@ -56,7 +61,8 @@ class ScriptedBackend:
         for s in slots:
             toks = []
             for _ in range(self.k):
-                self.last[s] = (self.last[s] + 1) % 256
+                q = self.queued.get(s)
+                self.last[s] = q.pop(0) if q else (self.last[s] + 1) % 256
                 toks.append(self.last[s])
             out[s] = StepOutput(toks, drafted=self.k + 1, accepted=self.k - 1, verified=self.k + 2,
                                 logprobs=self._logprobs(s, toks))
@@ -65,18 +71,21 @@ class ScriptedBackend:
     def free(self, slot):
         self.freed.append(slot)
         del self.last[slot]
+        self.queued.pop(slot, None)
 
 
 class LiveServer:
-    def __init__(self, num_slots=4, max_waiting=8, tokens_per_step=3, max_context=4096):
-        self.tok = ByteTokenizer()
-        self.backend = ScriptedBackend(num_slots, tokens_per_step)
+    def __init__(self, num_slots=4, max_waiting=8, tokens_per_step=3, max_context=4096, chat_template=None,
+                 reply=None):
+        self.tok = ByteTokenizer(chat_template=chat_template)
+        self.backend = ScriptedBackend(num_slots, tokens_per_step, eos=self.tok.eos_id, reply=reply)
         self.metrics = ServeMetrics("scripted")
         self.engine = Engine(self.backend, self.tok, eos_token_id=self.tok.eos_id, max_waiting=max_waiting,
                              metrics=self.metrics).start()
         app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
                         max_context=max_context, metrics=self.metrics,
-                        spec_modes=("fixed",), max_logprobs=5, max_n=4)  # as a server started with --spec fixed
+                        spec_modes=("fixed",), max_logprobs=5, max_n=4,  # as a server started with --spec fixed
+                        tool_parser="kimi_k2")
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -1,0 +1,171 @@
+"""Tool calls (``jdspark.tool_calls``): Kimi K2's format parsed whole and streamed, the markers decoded where the
+vocabulary has them as special tokens, and through a real uvicorn server (scripted backend, serve_helpers) whose
+answer holds calls: the API's ``tool_calls`` (streamed and not), ``finish_reason`` "tool_calls", the tools and the
+conversation's earlier calls rendered by the checkpoint's template, and the requests it refuses by name."""
+
+import json
+
+import httpx
+import pytest
+
+from jdspark import tool_calls as tc
+from jdspark.serve import ApiError, parse_completion
+from kimi.tokenizer import ByteTokenizer, Tokenizer
+from tests.jdspark.serve_helpers import LiveServer
+from tests.kimi.test_tokenizer import hf_dir  # noqa: F401  (a tokenizer.json and its config)
+
+B, E, CB, AB, CE = tc.SECTION_BEGIN, tc.SECTION_END, tc.CALL_BEGIN, tc.ARGUMENT_BEGIN, tc.CALL_END
+ANSWER = (f"Let me check.{B}{CB}functions.get_weather:0{AB}{{\"city\": \"Paris\", \"days\": [1, 2]}}{CE}"
+          f"{CB}functions.get_time:1{AB} {{\"tz\": \"CET\"}}\n{CE}{E}")
+CALLS = [{"id": "functions.get_weather:0", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": [1, 2]}"}},
+         {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time",
+                                                                         "arguments": "{\"tz\": \"CET\"}"}}]
+# a Kimi-like template: tools declared in a system turn, earlier calls written back in Kimi's format
+TEMPLATE = ("{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
+            "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}"
+            "{% if 'tool_calls' in m %}" + B + "{% for c in m['tool_calls'] %}" + CB + "{{ c['id'] }}" + AB
+            + "{{ c['function']['arguments'] }}" + CE + "{% endfor %}" + E + "{% endif %}"
+            "{% if 'tool_call_id' in m %}[result of {{ m['tool_call_id'] }}]{% endif %}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+
+
+def test_parse_finds_the_calls_and_the_content_before_them():
+    content, calls = tc.parse(ANSWER)
+    assert content == "Let me check." and [c.as_api() for c in calls] == CALLS
+    assert tc.parse("no calls here") == ("no calls here", [])
+    assert tc.parse(f"  {B}{CB}lookup:0{AB}{{}}{CE}")[0] is None  # blank content; a name without functions.
+    assert tc.parse(f"{B}{CB}lookup:0{AB}{{}}{CE}")[1][0].name == "lookup"
+    broken = f"text {B}{CB}functions.f:0{AB}{{\"a\": 1"  # cut off (max_tokens) before its call ended
+    assert tc.parse(broken) == (broken, [])
+    # only the first section's calls; what follows its end is not a call
+    _, calls = tc.parse(f"{B}{CB}functions.a:0{AB}1{CE}{E} then {CB}functions.b:1{AB}2{CE}")
+    assert [c.name for c in calls] == ["a"]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_splitter_streams_the_content_and_ends_with_the_calls(piece):
+    sp = tc.Splitter()
+    sent = "".join(sp.feed(ANSWER[i:i + piece]) for i in range(0, len(ANSWER), piece))
+    rest, calls = sp.finish()
+    assert sent + rest == "Let me check." and B not in sent and [c.as_api() for c in calls] == CALLS
+    # text that only looked like a marker's start is content after all
+    sp = tc.Splitter()
+    sent = sp.feed("a <|tool") + sp.feed("_x|> b <|tool_calls_sec")
+    assert sent == "a <|tool_x|> b "
+    assert sp.finish() == ("<|tool_calls_sec", [])
+
+
+def test_markers_decode_where_they_are_special_tokens():
+    names = {"<bos>": 256, "<eos>": 257, B: 258, E: 259, CB: 260, AB: 261, CE: 262}
+
+    class Tok(Tokenizer):
+        def _encode_ordinary(self, text):
+            return list(text.encode())
+
+    tok = Tok([bytes([b]) for b in range(256)], names)
+    ids = tok.encode(ANSWER, allow_special=True) + [257]
+    assert len(ids) < len(ANSWER) and tc.marker_ids(tok) == frozenset(range(258, 263))
+    plain = ANSWER
+    for m in tc.MARKERS:
+        plain = plain.replace(m, "")
+    assert tok.decode(ids) == plain  # the default drops every special token
+    dec = tok.incremental_decoder(keep_special=tc.marker_ids(tok))
+    assert "".join(dec.add([i]) for i in ids) + dec.flush() == ANSWER  # the markers kept, EOS still dropped
+    assert tc.marker_ids(ByteTokenizer()) == frozenset()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    s = LiveServer(num_slots=2, chat_template=TEMPLATE, reply=ByteTokenizer().encode(ANSWER))
+    yield s
+    s.close()
+
+
+def _chat(srv, body, stream=False):
+    if not stream:
+        return httpx.post(srv.url + "/v1/chat/completions", json=body)
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+
+
+def test_served_tool_calls_streamed_and_not(srv):
+    body = {"messages": [{"role": "user", "content": "[reply] weather in Paris?"}], "tools": TOOLS,
+            "max_tokens": 400}
+    r = _chat(srv, body).json()
+    c = r["choices"][0]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] == "Let me check."
+    assert c["message"]["tool_calls"] == CALLS
+    chunks = _chat(srv, body, stream=True)
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me check."  # no marker leaked into content
+    streamed = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert streamed == [{"index": k, **call} for k, call in enumerate(CALLS)]
+    assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]] == ["tool_calls"]
+    # without tools (or with tool_choice "none") the same answer is text
+    for extra in ({"tools": None}, {"tool_choice": "none"}):
+        plain = _chat(srv, {**body, **extra}).json()["choices"][0]
+        assert plain["finish_reason"] == "stop" and plain["message"]["content"] == ANSWER
+        assert "tool_calls" not in plain["message"]
+
+
+def test_tools_and_earlier_calls_are_rendered_by_the_template():
+    tok = ByteTokenizer(chat_template=TEMPLATE)
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    q = parse_completion({"messages": msgs, "tools": TOOLS}, tokenizer=tok, vocab_size=tok.vocab_size,
+                         max_context=4096, model_name="m", chat=True, tool_parser="kimi_k2")
+    assert q.tools
+    want = tok.apply_chat_template([msgs[0], {**msgs[1], "content": ""}, msgs[2]], tools=TOOLS)
+    assert tok.decode(q.sampling.prompt_ids) == want
+    assert json.dumps(TOOLS) in want and f"{CB}functions.get_weather:0{AB}" in want and "[result of" in want
+
+
+BAD = [
+    ({"tools": [{"type": "function"}]}, "'tools' must be a list", "tools"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "'tool_choice' = \"required\" is not supported", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "is not supported",
+     "tool_choice"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},
+     "tool_calls must be a list", "messages"),
+]
+
+
+@pytest.mark.parametrize("extra,message,param", BAD)
+def test_bad_tool_requests_are_refused_by_name(srv, extra, message, param):
+    body = {"messages": [{"role": "user", "content": "x"}], **extra}
+    r = _chat(srv, body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"] and r.json()["error"]["param"] == param
+
+
+def test_tools_where_they_cannot_be_served():
+    tok = ByteTokenizer()  # the plain template renders no tools
+    kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=4096, model_name="m")
+    chat = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    for body, chat_, parser, message in [(chat, True, "kimi_k2", "renders no tools"),
+                                         (chat, True, None, "--tool-call-parser none"),
+                                         ({"prompt": "x", "tools": TOOLS}, False, "kimi_k2", "only taken on")]:
+        with pytest.raises(ApiError, match=message) as e:
+            parse_completion(body, chat=chat_, tool_parser=parser, **kw)
+        assert e.value.status == 400 and e.value.param == "tools"
+    assert not parse_completion({**chat, "tool_choice": "none"}, chat=True, tool_parser=None, **kw).tools
+
+
+def test_tools_render_as_transformers_renders_them(hf_dir):  # noqa: F811
+    """Our chat template rendering with ``tools`` and tool-call turns equals transformers' apply_chat_template of
+    the same template (the independent renderer checkpoints are written for)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kimi.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(hf_dir)
+    tok.chat_template = TEMPLATE
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"), chat_template=TEMPLATE)
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "", "tool_calls": CALLS},
+            {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "noon"}]
+    for tools in (TOOLS, None):
+        assert tok.apply_chat_template(msgs, tools=tools) == ref.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=True)
