@@ -13,19 +13,23 @@ Every tokenizer maps an id to the bytes it stands for (``token_bytes``), so deco
 (``tokenizer.incremental_decoder()``) emits text as tokens arrive and holds back bytes that do not yet form a
 character, so a stream never shows a broken character. The chat template (``chat_template`` in
 ``tokenizer_config.json``) is rendered with jinja2 the way transformers renders it (sandboxed, ``trim_blocks``,
-``lstrip_blocks``, ``raise_exception``, ``tojson``); a checkpoint without one gets ``PLAIN_CHAT_TEMPLATE``.
+``lstrip_blocks``, ``raise_exception``, ``tojson`` with its options, ``strftime_now``, ``break`` / ``continue``,
+``generation`` blocks); a checkpoint without one gets ``PLAIN_CHAT_TEMPLATE``.
 """
 
 from __future__ import annotations
 
 import base64
 import codecs
+import datetime
 import functools
 import json
 import os
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
+import jinja2.ext
+import jinja2.nodes
 import numpy as np
 import tiktoken
 from jinja2.exceptions import TemplateError
@@ -191,16 +195,29 @@ class Tokenizer:
         def raise_exception(message):
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+            json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         names = {f"{r}_token": (None if getattr(self, f"{r}_id") is None else
                                 self.token_bytes(getattr(self, f"{r}_id")).decode("utf-8"))
                  for r in ("bos", "eos", "pad")}
         template = env.from_string(self.chat_template or PLAIN_CHAT_TEMPLATE)
         return template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
                                **names, **extra)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers marks the assistant's tokens with it for training
+    masks): rendered as its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
 
 
 class ByteTokenizer(Tokenizer):

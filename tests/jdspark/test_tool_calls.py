@@ -22,7 +22,8 @@ CALLS = [{"id": "functions.get_weather:0", "type": "function",
          {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time",
                                                                          "arguments": "{\"tz\": \"CET\"}"}}]
 # a Kimi-like template: tools declared in a system turn, earlier calls written back in Kimi's format
-TEMPLATE = ("{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{% endif %}"
+TEMPLATE = ("{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}"
+            "<|im_end|>{% endif %}"
             "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}"
             "{% if 'tool_calls' in m %}" + B + "{% for c in m['tool_calls'] %}" + CB + "{{ c['id'] }}" + AB
             + "{{ c['function']['arguments'] }}" + CE + "{% endfor %}" + E + "{% endif %}"
@@ -121,7 +122,8 @@ def test_tools_and_earlier_calls_are_rendered_by_the_template():
     assert q.tools
     want = tok.apply_chat_template([msgs[0], {**msgs[1], "content": ""}, msgs[2]], tools=TOOLS)
     assert tok.decode(q.sampling.prompt_ids) == want
-    assert json.dumps(TOOLS) in want and f"{CB}functions.get_weather:0{AB}" in want and "[result of" in want
+    assert json.dumps(TOOLS, separators=(",", ":")) in want and "[result of" in want
+    assert f"{CB}functions.get_weather:0{AB}" in want
 
 
 BAD = [
@@ -169,3 +171,9 @@ def test_tools_render_as_transformers_renders_them(hf_dir):  # noqa: F811
     for tools in (TOOLS, None):
         assert tok.apply_chat_template(msgs, tools=tools) == ref.apply_chat_template(
             msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    # what else transformers' environment offers templates: loop controls, generation blocks, tojson's options
+    extra = ("{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}{% generation %}"
+             "{{ m['content'] }}{% endgeneration %}|{% endfor %}{{ tools | tojson(indent=1, sort_keys=True) }}")
+    tok.chat_template = ref.chat_template = extra
+    assert tok.apply_chat_template(msgs, tools=TOOLS) == ref.apply_chat_template(
+        msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
