@@ -18,6 +18,8 @@ Tools (chat): ``tools`` with ``tool_choice`` "auto" (or "none") are rendered by 
 the answer's calls are read in ``--tool-call-parser``'s format (Kimi K2's; ``jdspark.tool_calls``) into the
 message's ``tool_calls`` with ``finish_reason`` "tool_calls"; earlier turns' ``tool_calls`` and ``tool`` results are
 passed to the template. Forcing a call ("required", a named function) needs constrained decoding: a 400.
+With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
+(``jdspark.reasoning``).
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
@@ -52,7 +54,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kimi
-from jdspark import tool_calls
+from jdspark import reasoning, tool_calls
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, QueueFull, SamplingRequest, combined_usage
 from jdspark.engine import Request as EngineRequest
@@ -121,21 +123,23 @@ class Parsed(NamedTuple):
     n: int = 1  # choices
     best_of: int = 1  # completions generated, the n likeliest returned (completions' ``best_of``; >= n)
     tools: bool = False  # the tools were rendered: the answer's tool calls are parsed (``jdspark.tool_calls``)
+    reasoning: Optional[bool] = None  # chat with a reasoning parser: whether the prompt opened the think block
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
                      max_logprobs: Optional[int] = None, max_n: int = 1,
-                     tool_parser: Optional[str] = None) -> Parsed:
+                     tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> Parsed:
     """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``);
-    ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools).
+    ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools);
+    ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-                      max_logprobs, max_n, tool_parser)
+                      max_logprobs, max_n, tool_parser, reasoning_parser)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -212,7 +216,7 @@ def _message(m: dict, i: int, vision) -> tuple:
 
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs, max_n, tool_parser):
+           max_logprobs, max_n, tool_parser, reasoning_parser):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -239,6 +243,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         tools = _tools(body, chat, tokenizer, tool_parser)
         rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
                                                  **({} if tools is None else {"tools": tools}))
+        started = None if reasoning_parser is None else reasoning.started_by(rendered)
         if images:
             ids, vin = encode_with_images(tokenizer, rendered, images, vision)
         else:
@@ -247,6 +252,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
             ids = [tokenizer.bos_id] + ids
     else:
         vin, tools = None, _tools(body, chat, tokenizer, tool_parser)  # images come only as chat content parts
+        started = None  # reasoning is told apart in chat answers only
         if "prompt" not in body:
             raise ApiError(400, "'prompt' is required", "prompt")
         prompt = body["prompt"]
@@ -309,15 +315,17 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
-                  int(best_of), tools is not None)
+                  int(best_of), tools is not None, started)
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
               is_ready=lambda: True, max_prompt: Optional[int] = None,
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
-              max_n: int = 1, tool_parser: Optional[str] = None) -> FastAPI:
+              max_n: int = 1, tool_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
+    think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
     mailboxes: dict = {}  # one per running event loop (a test may serve the same app from more than one)
 
     def err(e: ApiError):
@@ -351,7 +359,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             q = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
                 chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
-                max_n=max_n, tool_parser=tool_parser)
+                max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
         except ApiError as e:
             return err(e)
         if q.best_of > engine.max_waiting:
@@ -366,7 +374,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
         reqs = [EngineRequest(ranked if i == 0 else dataclasses.replace(ranked, seed=(ranked.seed + i) % 2 ** 63),
                               lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos,
-                              keep_special=markers if q.tools else frozenset())
+                              keep_special=(markers if q.tools else frozenset())
+                              | (think if q.reasoning is not None else frozenset()))
                 for i in range(q.best_of)]
         try:
             engine.submit_all(reqs)
@@ -378,7 +387,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         obj = "chat.completion" if chat else "text_completion"
         if q.stream:
             return StreamingResponse(sse(request, engine, reqs, events, chat, created, model_name, q.include_usage,
-                                         tokenizer, q.echo, q.tools), media_type="text/event-stream")
+                                         tokenizer, q.echo, q.tools, q.reasoning), media_type="text/event-stream")
         got = await collect(request, engine, reqs, events)
         if got is None:
             return Response(status_code=499)
@@ -392,8 +401,12 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             choice = {"index": i, "finish_reason": c.last.finish_reason,
                       "logprobs": logprobs_object(tokenizer, chat, q.sampling.logprobs, c.ids, c.entries, 0)}
             if chat:
-                content, calls = tool_calls.parse("".join(c.text)) if q.tools else ("".join(c.text), [])
+                thought, content = (None, "".join(c.text)) if q.reasoning is None else reasoning.split(
+                    "".join(c.text), q.reasoning)
+                content, calls = tool_calls.parse(content) if q.tools else (content, [])
                 choice["message"] = {"role": "assistant", "content": content}
+                if q.reasoning is not None:
+                    choice["message"]["reasoning_content"] = thought
                 if calls:  # as vLLM: whatever ended the text, its calls are the answer
                     choice["message"]["tool_calls"] = [call.as_api() for call in calls]
                     choice["finish_reason"] = "tool_calls"
@@ -463,6 +476,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",
                     help="the format chat answers' tool calls are read in, when a request has 'tools' (rendered by "
                          "the checkpoint's chat template; none: requests with tools are refused)")
+    ap.add_argument("--reasoning-parser", choices=(*reasoning.PARSERS, "none"), default="none",
+                    help="think: a chat answer's <think>...</think> reasoning goes to message.reasoning_content "
+                         "(delta.reasoning_content when streamed), the rest to content (a thinking model's "
+                         "checkpoint); none: the whole text is content")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -537,7 +554,8 @@ def main(argv=None) -> int:
                     max_prompt=None if backend.prefix is not None else backend.prompt_buckets[-1],
                     spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision,
                     max_logprobs=backend.max_logprobs, max_n=a.max_n,
-                    tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser)
+                    tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
+                    reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

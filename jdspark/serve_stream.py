@@ -15,6 +15,7 @@ import json
 import threading
 from typing import Optional, Sequence
 
+from jdspark import reasoning
 from jdspark.engine import Event, combined_usage
 from jdspark.logprobs import chat_logprobs, completion_logprobs
 from jdspark.tool_calls import Splitter
@@ -116,21 +117,25 @@ async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Opt
 
 
 async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool, created: int, model_name: str,
-              include_usage: bool, tokenizer, echo: Optional[str] = None, tools: bool = False):
+              include_usage: bool, tokenizer, echo: Optional[str] = None, tools: bool = False,
+              thinking: Optional[bool] = None):
     """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice.
-    ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls sent at its end)."""
+    ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls sent at its end);
+    ``thinking`` (not None: the prompt opened a think block or not), first through a ``jdspark.reasoning.Splitter``
+    (its reasoning sent as ``delta.reasoning_content``, the answer on to the tool splitter)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid = reqs[0].id
     sent = [0] * len(reqs)  # characters of text streamed so far, per choice (completions' text_offset)
     echoed = [echo is None] * len(reqs)
     finished = [False] * len(reqs)
     splitters = [Splitter() for _ in reqs] if tools else None
+    thinkers = None if thinking is None else [reasoning.Splitter(thinking) for _ in reqs]
 
     def data(body: dict) -> str:
         return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
     def chunk(i: int, text: Optional[str], finish: Optional[str], first: bool = False, ev: Optional[Event] = None,
-              ids=None, entries=None, calls=None) -> str:
+              ids=None, entries=None, calls=None, thought: str = "") -> str:
         lp = None
         if ev is not None and ev.logprobs is not None:
             ids, entries = ev.token_ids, ev.logprobs
@@ -139,6 +144,8 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
         sent[i] += len(text or "")
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+            if thought:
+                delta = {"reasoning_content": thought, **delta}
             if calls is not None:
                 delta = {"tool_calls": calls}
             choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
@@ -151,15 +158,21 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
         if not echoed[i]:  # the prompt first (and its log-probabilities: the first event carries them)
             echoed[i] = True
             out.append(chunk(i, echo, None, ids=list(reqs[i].sampling.prompt_ids), entries=ev.prompt_logprobs))
-        text = ev.text if splitters is None else splitters[i].feed(ev.text)
-        if text or (ev.logprobs and ev.token_ids):  # tokens whose text is held back still bring their logprobs
-            out.append(chunk(i, text, None, ev=ev))
+        thought, text = ("", ev.text) if thinkers is None else thinkers[i].feed(ev.text)
+        text = text if splitters is None else splitters[i].feed(text)
+        if thought or text or (ev.logprobs and ev.token_ids):  # held-back text's tokens still bring logprobs
+            out.append(chunk(i, text, None, ev=ev, thought=thought))
         if ev.error is not None:
             body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt", "code": None}}
             out.append(f"data: {json.dumps(body)}\n\n")
         if ev.finish_reason is None:
             return False
         finish = ev.finish_reason
+        if thinkers is not None:
+            thought, rest = thinkers[i].finish()
+            rest = rest if splitters is None else splitters[i].feed(rest)
+            if thought or rest:
+                out.append(chunk(i, rest, None, thought=thought))
         if splitters is not None:
             rest, calls = splitters[i].finish()
             if rest:

@@ -26,8 +26,10 @@ def scripted_logprob(t: int, top: int) -> tuple:
 class ScriptedBackend:
     def __init__(self, num_slots, tokens_per_step=3, eos=None, reply=None):
         self.num_slots, self.k, self.eos = num_slots, tokens_per_step, eos
-        # ``reply`` (ids): what a prompt holding the bytes "[reply]" is answered, then EOS
-        self.reply, self.queued = reply, {}
+        # ``reply``: {marker bytes: ids}: a prompt holding the marker is answered those ids, then EOS (a list of
+        # ids alone: the marker b"[reply]")
+        self.replies = reply if isinstance(reply, dict) else ({} if reply is None else {b"[reply]": reply})
+        self.queued = {}
         self.last, self.top = {}, {}
         self.gate = threading.Event()
         self.gate.set()
@@ -41,9 +43,12 @@ class ScriptedBackend:
             raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
         self.last[slot] = (req.prompt_ids[-1] + 1 + req.seed) % 256
-        if self.reply is not None and b"[reply]" in bytes(t for t in req.prompt_ids if t < 256):
-            self.queued[slot] = list(self.reply) + [self.eos]
-            self.last[slot] = self.queued[slot].pop(0)
+        said = bytes(t for t in req.prompt_ids if t < 256)
+        for marker, ids in self.replies.items():
+            if marker in said:
+                self.queued[slot] = list(ids) + [self.eos]
+                self.last[slot] = self.queued[slot].pop(0)
+                break
         self.top[slot] = req.logprobs
         ptop = req.prompt_logprobs
         prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) for t in req.prompt_ids[1:]]
@@ -76,7 +81,7 @@ class ScriptedBackend:
 
 class LiveServer:
     def __init__(self, num_slots=4, max_waiting=8, tokens_per_step=3, max_context=4096, chat_template=None,
-                 reply=None):
+                 reply=None, reasoning_parser=None):
         self.tok = ByteTokenizer(chat_template=chat_template)
         self.backend = ScriptedBackend(num_slots, tokens_per_step, eos=self.tok.eos_id, reply=reply)
         self.metrics = ServeMetrics("scripted")
@@ -85,7 +90,7 @@ class LiveServer:
         app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
                         max_context=max_context, metrics=self.metrics,
                         spec_modes=("fixed",), max_logprobs=5, max_n=4,  # as a server started with --spec fixed
-                        tool_parser="kimi_k2")
+                        tool_parser="kimi_k2", reasoning_parser=reasoning_parser)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
