@@ -61,6 +61,9 @@ class SamplingRequest:
     images: Optional[object] = None  # kimi.image.VisionInput; prompt_ids holds its placeholders expanded
     logprobs: Optional[int] = None  # each token's log-probability and this many top ones (None: none)
     prompt_logprobs: Optional[int] = None  # the same for the prompt's tokens (``echo``); its insert prefills it all
+    repetition_penalty: float = 1.0  # ``jdspark.sampling.Penalties`` (1, 0, 0: off)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
 
 @dataclasses.dataclass

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jdspark.graphs import merge_module
-from jdspark.sampling import SamplingParams
+from jdspark.sampling import Penalties, SamplingParams
 from jdspark.speculative import extend_stream
 
 __all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "PENDING_ANSWERS", "default_pool_rows", "tree_bytes", "pool_like",
@@ -168,13 +168,15 @@ def snapshot(pool, state, slot, row):
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "logprobs"), donate_argnames=("state",))
-def extend(t_graph, d_graph, t_state, d_state, state, pool, slot, row, ext_1E, ext_len, key, temp, top_k, top_p, *,
-           logprobs=None):
+def extend(t_graph, d_graph, t_state, d_state, state, pool, slot, row, ext_1E, ext_len, key, temp, top_k, top_p,
+           penalties_3, *, logprobs=None):
     """Prefill the extension ``ext_1E`` (``ext_len`` valid) on the kept prompt ``pool[row]`` into ``slot``:
     (state, first token [1]) and, with ``logprobs``, its ``TokenLogprobs``. One program per extension bucket E;
-    slot and row traced."""
+    slot and row traced; ``penalties_3`` as ``slot_programs.insert_row``'s."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
     kept = jax.tree.map(lambda p: p[row], pool)
-    new, first, *lp = extend_stream(target, drafter, kept, ext_1E, ext_len, key, sp, logprobs=logprobs)
+    pen = Penalties.rows(*(penalties_3[j] for j in range(3)))
+    new, first, *lp = extend_stream(target, drafter, kept, ext_1E, ext_len, key, sp, logprobs=logprobs,
+                                    penalties=pen)
     return (jax.tree.map(lambda s, r: s.at[slot].set(r), state, new), first, *lp)

@@ -80,6 +80,71 @@ jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "to
                                  meta_fields=[])
 
 
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Repetition penalties on the target's logits, before temperature / top-k / top-p (vLLM's and OpenAI's):
+
+        repetition r (1: off):  a token in the prompt or generated so far: z / r where z > 0, else z * r
+        frequency f (0: off):   z - f * (times the token was generated so far)
+        presence p (0: off):    z - p * [the token was generated so far]
+
+    The penalised logits define the target's law at each position, so speculative decoding applies them at every
+    verified position with the drafts before it counted (``penalize``): greedy accepts against the penalised
+    argmax, rejection sampling against the penalised p, and stays lossless (the drafter's q may be anything).
+    Fields are Python floats (one setting for a program; all off: nothing is compiled in) or per-row arrays with
+    ``any`` a scalar of the whole batch (some row penalises; a batch where none does skips the work)."""
+
+    repetition: object = 1.0
+    frequency: object = 0.0
+    presence: object = 0.0
+    any: object = None
+
+    @property
+    def is_static(self) -> bool:
+        return all(isinstance(v, (int, float)) for v in (self.repetition, self.frequency, self.presence))
+
+    @property
+    def off(self) -> bool:
+        """Every penalty off, known when tracing (static fields)."""
+        return self.is_static and (self.repetition, self.frequency, self.presence) == (1.0, 0.0, 0.0)
+
+    @staticmethod
+    def rows(repetition, frequency, presence, any_=None) -> "Penalties":
+        return Penalties(jnp.asarray(repetition, jnp.float32), jnp.asarray(frequency, jnp.float32),
+                         jnp.asarray(presence, jnp.float32), any_)
+
+    @staticmethod
+    def batch_flag(repetition_B, frequency_B, presence_B):
+        """Whether any row of a batch penalises."""
+        return jnp.any((jnp.asarray(repetition_B) != 1.0) | (jnp.asarray(frequency_B) != 0.0)
+                       | (jnp.asarray(presence_B) != 0.0))
+
+
+jax.tree_util.register_dataclass(Penalties, data_fields=["repetition", "frequency", "presence", "any"],
+                                 meta_fields=[])
+
+
+def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties):
+    """``logits_XV`` [..., V] under ``pen`` (``Penalties``' equations), fp32: ``counts_XV`` [..., V] the times
+    each token was generated before each position, ``prompt_V`` [V] bool the prompt's tokens. Unchanged (not even
+    cast) when ``pen`` is statically off."""
+    if pen.off:
+        return logits_XV
+    z = logits_XV.astype(jnp.float32)
+    if pen.is_static:
+        r, f, p = (jnp.float32(v) for v in (pen.repetition, pen.frequency, pen.presence))
+    else:
+        r, f, p = (_lead(v, z)[..., None] for v in (pen.repetition, pen.frequency, pen.presence))
+
+    def apply(z):
+        c = counts_XV.astype(jnp.float32)
+        seen = prompt_V | (counts_XV > 0)
+        z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
+        return z - f * c - p * (c > 0).astype(jnp.float32)
+
+    return _when(None if pen.is_static else pen.any, apply, z)
+
+
 def unless_greedy(sp: SamplingParams, sampled, greedy):
     """``greedy()`` when every row is greedy, else ``sampled()``: decided when tracing for a static setting, at
     run time (``lax.cond``, in the "bisect" form of ``dispatch.sampling_form``) from ``sp.batch`` for per-row arrays

@@ -10,8 +10,8 @@ decoded incrementally. ``usage`` carries the completion's own acceptance (``draf
 ``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
 took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
-queue is full, 503 before the engine is ready); a request field this server does not implement (penalties,
-``logit_bias``, ``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks
+queue is full, 503 before the engine is ready); a request field this server does not implement (``logit_bias``,
+``min_tokens``, ``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks
 for nothing. A client that disconnects frees its slot.
 
 Tools (chat): ``tools`` with ``tool_choice`` "auto" (or "none") are rendered by the checkpoint's chat template, and
@@ -20,6 +20,9 @@ message's ``tool_calls`` with ``finish_reason`` "tool_calls"; earlier turns' ``t
 passed to the template. Forcing a call ("required", a named function) needs constrained decoding: a 400.
 With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
 (``jdspark.reasoning``).
+
+Penalties: ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (vLLM's semantics,
+``jdspark.sampling.Penalties``), applied to the target's law at every verified position: lossless.
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
@@ -95,9 +98,7 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "suffix": ("",), "prompt_logprobs": (0,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0), "logit_bias": ({},), "min_tokens": (0,), "functions": ([],),
+    "suffix": ("",), "prompt_logprobs": (0,), "logit_bias": ({},), "min_tokens": (0,), "functions": ([],),
     "response_format": ({"type": "text"},),
 }
 
@@ -303,6 +304,10 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     opts = _get(body, "stream_options", (dict,), {}, what="an object")
     include_usage = bool(opts.get("include_usage", False))
     logprobs = _logprobs(body, chat, max_logprobs)
+    penalties = {name: float(_get(body, name, (int, float), off, ok, what)) for name, off, ok, what in (
+        ("repetition_penalty", 1.0, lambda v: math.isfinite(v) and v > 0, "a number > 0 (1: off)"),
+        ("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
+        ("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"))}
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
         raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",
@@ -313,7 +318,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                        "best_of")
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
-                         prompt_logprobs=logprobs if echo else None)
+                         prompt_logprobs=logprobs if echo else None, **penalties)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started)
 

@@ -18,28 +18,32 @@ import jax
 import jax.numpy as jnp
 
 from jdspark.graphs import merge_module
-from jdspark.sampling import SamplingParams
+from jdspark.sampling import Penalties, SamplingParams
 from jdspark.speculative import plain_step, prefill_stream, spec_step
 from kimi import dispatch
 
 __all__ = ["insert_row", "step_rows", "HOST_COLUMNS"]
 
 # step_rows' per-row host inputs, in this order, packed into one float32 [b, HOST_COLUMNS] array
-HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs")
+HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs", "repetition_penalty",
+                "frequency_penalty", "presence_penalty")
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs"),
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-               media_PD=None, want_prompt=None, *, max_len, chunk=None, logprobs: Optional[int] = None):
+               penalties_3, media_PD=None, want_prompt=None, *, max_len, chunk=None,
+               logprobs: Optional[int] = None):
     """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
     ``TokenLogprobs``, the prompt's where ``want_prompt`` says so: ``speculative.prefill_stream``). ``media_PD``:
     the prompt's image features, padded to the prompt bucket (a prompt of P tokens holds at most P placeholders),
-    so one program serves every image prompt of a bucket."""
+    so one program serves every image prompt of a bucket. ``penalties_3``: float32 [3], the request's repetition,
+    frequency and presence penalties (``sampling.Penalties``)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
+    pen = Penalties.rows(*(penalties_3[j] for j in range(3)))
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
-                                     logprobs=logprobs, want_prompt_logprobs=want_prompt)
+                                     logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
 
@@ -48,34 +52,36 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
                                              "extend_context", "logprobs"), donate_argnames=("state",))
 def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, confidence, all_slots=False, steps=1,
               extend_context=True, logprobs: Optional[int] = None):
-    """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_bC``: float32
-    [b, len(HOST_COLUMNS)], per row its slot index, top_k, temperature, top_p, draft cap and whether it wants
-    log-probabilities (> 0), the host's inputs packed into one array (the integers are exact in float32 below
-    2^24): each array a launch takes from the host is a transfer of its own, ~60 us apiece on the H200
-    (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is written back, and
-    copies compute the same thing. ``all_slots``: the rows are every slot in order, so the state is stepped as it
-    is (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a
-    ``lax.scan``): one launch, one gather and scatter and one read-back for several steps (multi-step scheduling:
-    the host's round trip per step is what a batch-1 step spends most on here). ``extend_context`` False (width 1
-    only): the plain step leaves the drafter's context as it is (no drafter work at all): for rows that never
-    draft (draft cap 0 for their whole request)."""
+    """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_bC``: float32 [b,
+    len(HOST_COLUMNS)], per row its slot index, top_k, temperature, top_p, draft cap, whether it wants
+    log-probabilities (> 0) and its three penalties, the host's inputs packed into one array (the integers are exact
+    in float32 below 2^24): each array a launch takes from the host is a transfer of its own, ~60 us apiece on the
+    H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is written back, and
+    copies compute the same thing. ``all_slots``: the rows are every slot in order, so the state is stepped as it is
+    (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a ``lax.scan``): one
+    launch, one gather and scatter and one read-back for several steps (multi-step scheduling: the host's round trip
+    per step is what a batch-1 step spends most on here). ``extend_context`` False (width 1 only): the plain step
+    leaves the drafter's context as it is (no drafter work at all): for rows that never draft (draft cap 0 for their
+    whole request)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     rows_b, topk_b, cap_b = (host_bC[:, j].astype(jnp.int32) for j in (0, 1, 4))
     temp_b, topp_b = host_bC[:, 2], host_bC[:, 3]
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
     batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
     want = jnp.any(host_bC[:, 5] > 0) if logprobs is not None else None  # outside the map too: a real branch
+    pen_b3 = host_bC[:, 6:9]
+    penalising = Penalties.batch_flag(pen_b3[:, 0], pen_b3[:, 1], pen_b3[:, 2])  # likewise
 
-    def one(st, t, k, p, cap):
+    def one(st, t, k, p, cap, pen3):
         sp = SamplingParams.rows(t, k, p, batch)
-        lp = dict(logprobs=logprobs, want_logprobs=want)
+        kw = dict(logprobs=logprobs, want_logprobs=want, penalties=Penalties.rows(*pen3, penalising))
         if drafter is None or width == 1:  # extending the context of rows that draft on later steps
-            return plain_step(target, st, sp, drafter if extend_context else None, **lp)
-        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence, **lp)
+            return plain_step(target, st, sp, drafter if extend_context else None, **kw)
+        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence, **kw)
 
     def mapped(rows_state, _=None):
         with dispatch.mapped_rows(int(rows_b.shape[0])):
-            return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, cap_b)
+            return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, cap_b, pen_b3)
 
     if steps == 1:
         new, out = mapped(sub)

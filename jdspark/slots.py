@@ -48,7 +48,7 @@ from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.graphs import check_map_budget, memory_maps, split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
-from jdspark.sampling import SamplingParams
+from jdspark.sampling import Penalties, SamplingParams
 from jdspark.slot_programs import insert_row, step_rows
 from jdspark.speculative import prefill_stream, serving_pair
 from kimi import dispatch
@@ -127,9 +127,9 @@ class SlotBackend:
                                  f"positions; with a block they exceed max_len ({self.max_len})")
         self.t_graph, self.t_state = split_module(self.target)
         self.d_graph, self.d_state = split_module(self.drafter) if self.drafter is not None else (None, None)
-        row, _ = jax.eval_shape(lambda: prefill_stream(
+        row, _ = jax.eval_shape(lambda: prefill_stream(  # with penalties: every row carries their counts
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
-            jax.random.key(0), SamplingParams(), self.max_len))
+            jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties()))
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
@@ -144,9 +144,10 @@ class SlotBackend:
         if max_logprobs is not None and not 0 <= int(max_logprobs) <= self.cfg.vocab_size:
             raise ValueError(f"max_logprobs: expected None or 0..{self.cfg.vocab_size}, got {max_logprobs}")
         self.max_logprobs = None if max_logprobs is None else int(max_logprobs)
-        # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none)
-        self.params = np.zeros((self.num_slots, 5), np.float64)
-        self.params[:, 2], self.params[:, 4] = 1.0, -1
+        # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none), repetition,
+        # frequency and presence penalties
+        self.params = np.zeros((self.num_slots, 8), np.float64)
+        self.free_all_params()
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
         if adaptive and not self.adaptive:
@@ -215,15 +216,17 @@ class SlotBackend:
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top)
+        pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         if hit is None:
             first, lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk,
-                                       ptop >= 0)
+                                       ptop >= 0, pen)
         else:
-            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p)
+            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p,
+                                     pen)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
@@ -238,38 +241,38 @@ class SlotBackend:
         return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
-                top_p: float):
+                top_p: float, penalties=(1.0, 0.0, 0.0)):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
         (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
         else None)."""
-        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p),
-                                        logprobs=self.max_logprobs)
+        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p,
+                                                           penalties), logprobs=self.max_logprobs)
         return first, (lp[0] if lp else None)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
-                     top_p: float) -> tuple:
+                     top_p: float, penalties=(1.0, 0.0, 0.0)) -> tuple:
         """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed),
-                np.float32(temperature), np.int32(top_k), np.float32(top_p))
+                np.float32(temperature), np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32))
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                 media_PD, chunk, prompt_logprobs: bool = False):
+                 media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0)):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk,
-                                     prompt_logprobs)
+                                     prompt_logprobs, penalties)
         self.state, first, *lp = insert_row(*args, **kw)
         return first, (lp[0] if lp else None)
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                     media_PD, chunk, prompt_logprobs: bool = False) -> tuple:
+                     media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0)) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
         want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
-                 np.int32(top_k), np.float32(top_p), media_PD, want),
+                 np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32), media_PD, want),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs))
 
     def _media(self, req: SamplingRequest, P: int):
@@ -377,7 +380,8 @@ class SlotBackend:
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         host_bC = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps, self.params[rows, 4] >= 0]).astype(np.float32)  # slot_programs.HOST_COLUMNS
+                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:8]]).astype(np.float32)
+        # (slot_programs.HOST_COLUMNS)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
                      steps=int(steps), extend_context=extend, logprobs=self.max_logprobs))
@@ -433,7 +437,12 @@ class SlotBackend:
         return (0, self.G) if self.drafter is not None else (0,)
 
     def free(self, slot: int) -> None:
-        self.params[slot] = (0.0, 0, 1.0, 0, -1)
+        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0)
+
+    def free_all_params(self) -> None:
+        """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""
+        for s in range(self.num_slots):
+            self.free(s)
 
     # ------------------------------------------------------------------ answers kept while idle (``jdspark.prefix``)
     def keep_answer(self, req: SamplingRequest, answer_ids: Sequence[int]) -> None:

@@ -32,7 +32,7 @@ from jdspark import rng
 from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
 from jdspark.logprobs import TokenLogprobs, token_logprobs, when
-from jdspark.sampling import SamplingParams, accept, propose, sample, unless_greedy
+from jdspark.sampling import Penalties, SamplingParams, accept, penalize, propose, sample, unless_greedy
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
 from kimi.model import check_token_ids, with_serving_layout
@@ -89,6 +89,10 @@ class Stream:
     cache: KimiCache
     dcache: object  # DrafterCache or None
     key: jax.Array
+    # with repetition penalties (``sampling.Penalties``; None without): [V] int32 times each token was generated
+    # (the anchor included), [V] bool the prompt's tokens
+    counts: Optional[jax.Array] = None
+    prompt_seen: Optional[jax.Array] = None
 
 
 @jax.tree_util.register_dataclass
@@ -115,6 +119,31 @@ class _Loop:
 
 def _bucket(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
+
+
+def _seen(prompt_1P, prompt_len, V: int):
+    """[V] bool: the tokens among the first ``prompt_len`` of ``prompt_1P``."""
+    P = prompt_1P.shape[1]
+    ids = jnp.where(jnp.arange(P) < prompt_len, prompt_1P[0], V)  # padding: out of range, dropped
+    return jnp.zeros((V,), bool).at[ids].set(True, mode="drop")
+
+
+def _counted(counts_V, new_K, n_new):
+    """``counts_V`` plus the first ``n_new`` of ``new_K``."""
+    K, V = new_K.shape[0], counts_V.shape[0]
+    live = (jnp.arange(K) < n_new).astype(jnp.int32)
+    return counts_V + jnp.zeros((V,), jnp.int32).at[new_K].add(live, mode="drop")
+
+
+def _penalized(logits_KV, st: Stream, drafts_k, pen: Optional[Penalties]):
+    """A step's logits at its K positions under ``pen``: position j counts the stream's generated tokens and the
+    drafts before it (``drafts_k`` [K - 1]; position j predicts the token after the anchor and drafts 1..j)."""
+    if pen is None or st.counts is None:
+        return logits_KV
+    V = logits_KV.shape[-1]
+    hot = jnp.zeros((drafts_k.shape[0], V), jnp.int32).at[jnp.arange(drafts_k.shape[0]), drafts_k].set(1)
+    counts_KV = st.counts[None] + jnp.concatenate([jnp.zeros((1, V), jnp.int32), jnp.cumsum(hot, axis=0)])
+    return penalize(logits_KV, counts_KV, st.prompt_seen, pen)
 
 
 def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
@@ -212,9 +241,11 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
-                      t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None):
+                      t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None,
+                      penalties=None):
     """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
-    graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass);
+    graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass),
+    penalties (``sampling.Penalties`` or None);
     traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
@@ -224,12 +255,12 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
-                                cache_positions(P, max_new, G, chunk), chunk, media_MD)
-    return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream)
+                                cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties)
+    return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream, penalties)
 
 
 def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingParams, eos_id: int,
-                threshold: float = 0.0, stream=None):
+                threshold: float = 0.0, stream=None, penalties: Optional[Penalties] = None):
     """The generation after its prefill (``prefill_stream``'s Stream and first token): ``spec_step`` (or
     ``plain_step`` without a drafter) in a ``lax.while_loop`` until EOS or ``max_new`` tokens, the first included.
     Returns (out [max_new + G + 1] (the first n_out valid), n_out, GenStats). Usable inside jit; a benchmark jits
@@ -243,9 +274,9 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 
     def body(st: _Loop) -> _Loop:
         if drafter is None:
-            nxt_stream, res = plain_step(target, st.stream, sp)
+            nxt_stream, res = plain_step(target, st.stream, sp, penalties=penalties)
         else:
-            nxt_stream, res = spec_step(target, drafter, st.stream, sp, threshold)
+            nxt_stream, res = spec_step(target, drafter, st.stream, sp, threshold, penalties=penalties)
         o, n_out, done = _emit(st, res.new_K, res.n_new, eos_id, max_new, stream)
         acc = st.stats.accept_counts + (jnp.arange(G) < res.accepted).astype(jnp.int32)
         stats = GenStats(st.stats.target_steps + 1, st.stats.drafted + res.drafted,
@@ -258,7 +289,7 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
                    chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None,
-                   want_prompt_logprobs=None):
+                   want_prompt_logprobs=None, penalties: Optional[Penalties] = None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
@@ -271,7 +302,10 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     with that many top entries, the prompt's or None): the prompt's [P] are prompt token i + 1's entries from
     position i's logits (the last valid one's and the padding's meaningless), computed where
     ``want_prompt_logprobs`` (a traced scalar; None: never) says so, else zeros. Chunked, each chunk's entries are
-    taken inside the chunk loop (``prefill_chunked``'s ``logits_fn``), so the prompt's [P, V] logits never exist."""
+    taken inside the chunk loop (``prefill_chunked``'s ``logits_fn``), so the prompt's [P, V] logits never exist.
+
+    ``penalties`` (``sampling.Penalties``; None: the stream carries no counts): the first token is drawn from the
+    penalised logits (the prompt's tokens seen, none generated), and the stream keeps the counts the steps read."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
@@ -310,15 +344,25 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         last_1V, prompt_lp = (got[0], jax.tree.map(lambda x: x[0], got[1])) if with_prompt else (got, None)
         last_logits = last_1V[0]
     k0, key = rng.split(key)
-    first = sample(k0, last_logits[None], sp)
+    row = Stream(None, cache, dcache, key)
+    if penalties is not None:
+        V = last_logits.shape[-1]
+        row.counts, row.prompt_seen = jnp.zeros((V,), jnp.int32), _seen(prompt_1P, prompt_len, V)
+    first = sample(k0, _penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
+    row = _first(row, first)
     if logprobs is not None:
-        lp = (token_logprobs(last_logits[None], first, logprobs), prompt_lp)
-        return Stream(first, cache, dcache, key), first, lp
-    return Stream(first, cache, dcache, key), first
+        return row, first, (token_logprobs(last_logits[None], first, logprobs), prompt_lp)
+    return row, first
+
+
+def _first(row: Stream, first_1) -> Stream:
+    """The stream with its first generated token as the anchor (and counted)."""
+    counts = None if row.counts is None else _counted(row.counts, first_1, 1)
+    return dataclasses.replace(row, anchor=first_1, counts=counts)
 
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
-                  logprobs: Optional[int] = None):
+                  logprobs: Optional[int] = None, penalties: Optional[Penalties] = None):
     """Prefill ``ext_len`` more prompt tokens (right-padded [1, E]) on top of a stream whose caches already hold a
     prefix of the prompt (a prefix-cache hit: ``jdspark.prefix``): (Stream, first token [1]), as ``prefill_stream``
     of the whole prompt would give up to float reassociation (one chunk of E on the cached state, the chunked
@@ -342,14 +386,19 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
                                              taps_fn=to_drafter if drafter is not None else None,
                                              taps_init=row.dcache)
     k0, key = rng.split(key)
-    first = sample(k0, last_1V, sp)
+    new = Stream(None, cache, dcache, key)
+    if penalties is not None:  # the kept prompt's tokens and the extension's are the prompt; nothing generated
+        new.counts = jnp.zeros_like(row.counts)
+        new.prompt_seen = row.prompt_seen | _seen(ext_1E, ext_len, row.prompt_seen.shape[0])
+    first = sample(k0, _penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
+    new = _first(new, first)
     if logprobs is not None:
-        return Stream(first, cache, dcache, key), first, (token_logprobs(last_1V, first, logprobs), None)
-    return Stream(first, cache, dcache, key), first
+        return new, first, (token_logprobs(last_1V, first, logprobs), None)
+    return new, first
 
 
 def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: Optional[int] = None,
-               want_logprobs=None):
+               want_logprobs=None, penalties: Optional[Penalties] = None):
     """One target decode of the anchor: (Stream, StepOut) with one new token.
 
     ``drafter`` (a stream that drafts on other steps: a serving slot whose scheduler chose a plain step): the
@@ -358,24 +407,29 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: O
     a run of plain steps got worse, and adaptive verification, seeing them fail, stepped plainly again.
 
     ``logprobs`` (static; None: not computed): the new token's ``TokenLogprobs`` with that many top entries, where
-    ``want_logprobs`` (a scalar of the whole batch; None: always) says so (``jdspark.logprobs.when``)."""
+    ``want_logprobs`` (a scalar of the whole batch; None: always) says so (``jdspark.logprobs.when``).
+    ``penalties``: the token is drawn from the penalised logits (``sampling.Penalties``; the stream's counts)."""
     key, k = rng.split(st.key)
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     with jax.named_scope("decode"):  # the phase's name in profiles (scripts/bench_profile.py)
         res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
     with jax.named_scope("accept"):
-        nxt = sample(k, res.logits, sp)
+        logits_1V = res.logits.reshape(1, -1)
+        nxt = sample(k, _penalized(logits_1V, st, jnp.zeros((0,), jnp.int32), penalties), sp)
     dcache = st.dcache
     if drafter is not None:
         with jax.named_scope("append_context"):
             dcache = drafter.append_context(st.dcache, res.taps, 1, start_pos=st.cache.length)
     one = jnp.int32(1)
-    lp = None if logprobs is None else when(want_logprobs, res.logits.reshape(1, -1), nxt, logprobs)
-    return Stream(nxt, res.cache, dcache, key), StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp)
+    lp = None if logprobs is None else when(want_logprobs, logits_1V, nxt, logprobs)
+    counts = None if st.counts is None else _counted(st.counts, nxt, 1)
+    return (Stream(nxt, res.cache, dcache, key, counts, st.prompt_seen),
+            StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp))
 
 
 def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float = 0.0, width=None,
-              max_drafts=None, confidence: bool = False, logprobs: Optional[int] = None, want_logprobs=None):
+              max_drafts=None, confidence: bool = False, logprobs: Optional[int] = None, want_logprobs=None,
+              penalties: Optional[Penalties] = None):
     """One fused draft -> verify -> accept -> commit step of one stream (see the module docstring).
 
     ``width`` (static; default G + 1): the verified block's length, anchor included (a serving engine compiles a
@@ -383,7 +437,8 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     step is a plain decode inside the block), fixed before the step's drafts are drawn (lossless under sampling);
     ``confidence`` (static): also return the confidence head's survival of this block's max(W - 1, 1) drafts (an
     adaptive scheduler reads it to choose the next step's width; only those drafts are decoded, ``draft_block``);
-    ``logprobs`` / ``want_logprobs``: as ``plain_step``'s (token j of new_K reads the verified logits at j).
+    ``logprobs`` / ``want_logprobs``: as ``plain_step``'s (token j of new_K reads the verified logits at j);
+    ``penalties``: verified position j's logits penalised with the drafts before it counted (``_penalized``).
     Returns (Stream, StepOut with new_K of ``width`` tokens)."""
     G = drafter.config.block_size
     W = G + 1 if width is None else int(width)
@@ -405,23 +460,26 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     with jax.named_scope("verify"):
         ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
     with jax.named_scope("accept"):
-        m, nxt = accept(k_acc, drafts, logq, ver.logits[0], n_verify, sp)
+        m, nxt = accept(k_acc, drafts, logq, _penalized(ver.logits[0], st, drafts, penalties), n_verify, sp)
     with jax.named_scope("commit"):
         cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
     with jax.named_scope("append_context"):
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
     lp = None if logprobs is None else when(want_logprobs, ver.logits[0], new, logprobs)
-    return Stream(nxt[None], cache, dcache, key), StepOut(new, m + 1, n_verify, m, survival, lp)
+    counts = None if st.counts is None else _counted(st.counts, new, m + 1)
+    return (Stream(nxt[None], cache, dcache, key, counts, st.prompt_seen),
+            StepOut(new, m + 1, n_verify, m, survival, lp))
 
 
-_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12))  # eos_id traced: one program
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12, 14))  # eos_id traced
 
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
              prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
-             max_len: Optional[int] = None, images=None) -> GenerateOutput:
+             max_len: Optional[int] = None, images=None, repetition_penalty: float = 1.0,
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
@@ -433,7 +491,10 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     ``prefill_chunk``: the prompt's prefill in chunks of that many tokens (0: one pass; None: as
     ``kimi.dispatch.prefill_chunk`` decides for the prompt's length). The caches are sized by need
     (``cache_positions``: the padded prompt + max_new_tokens + a block); ``max_len`` (optional) caps them, and a
-    request that needs more is a ValueError naming it."""
+    request that needs more is a ValueError naming it.
+
+    ``repetition_penalty`` / ``frequency_penalty`` / ``presence_penalty``: ``sampling.Penalties`` (vLLM's
+    semantics), applied at every position the step verifies; all off (the defaults): not compiled in."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -447,6 +508,10 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     sp = SamplingParams(float(temperature), int(top_k), float(top_p))
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty: expected > 0 (1: off), got {repetition_penalty}")
+    pen = Penalties(float(repetition_penalty), float(frequency_penalty), float(presence_penalty))
+    pen = None if pen.off else pen
     if drafter is not None:
         check_target(drafter.config, target)
     eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
@@ -470,7 +535,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
                                       float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
-                                      jax.random.key(seed), stream, chunk, media)
+                                      jax.random.key(seed), stream, chunk, media, pen)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 

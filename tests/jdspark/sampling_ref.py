@@ -85,3 +85,16 @@ def pearson_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     assert keep.sum() >= 2, f"fewer than 2 cells with expected count >= {min_expected}: nothing to test"
     stat = float(np.sum((obs[keep] - ex[keep]) ** 2 / ex[keep]))
     return float(stats.chi2.sf(stat, keep.sum() - 1))
+
+
+def penalize(logits, counts, prompt_mask, repetition: float = 1.0, frequency: float = 0.0,
+             presence: float = 0.0) -> np.ndarray:
+    """Repetition penalties from their definition (vLLM's, float64), on logits [..., V] with ``counts`` [..., V]
+    (times each token was generated before) and ``prompt_mask`` [V] (the prompt's tokens): a token seen in either
+    has a positive logit divided by ``repetition`` and a negative one multiplied; then ``frequency`` times its count
+    and ``presence`` if it was generated at all are subtracted."""
+    z = np.array(logits, np.float64)
+    c = np.asarray(counts, np.float64)
+    seen = np.asarray(prompt_mask, bool) | (c > 0)
+    z = np.where(seen, np.where(z > 0, z / repetition, z * repetition), z)
+    return z - frequency * c - presence * (c > 0)

@@ -17,7 +17,7 @@ import kimi
 from jdspark import speculative
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import SamplingRequest
-from jdspark.sampling import SamplingParams
+from jdspark.sampling import Penalties, SamplingParams
 from jdspark.slots import SlotBackend
 from tests.jdspark import sampling_ref
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
@@ -29,7 +29,7 @@ _OPTIMISED = {"xla_backend_optimization_level": 2}
 T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at least 2 full steps), draws, per check
 
 
-def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int):
+def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int, penalties=None):
     """n independent generations of T_LAW tokens, vmapped over the key: (tokens [n, T_LAW], GenStats of [n])."""
     served_t, served_d = speculative.serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
@@ -38,7 +38,8 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
 
     def one(k):
         out, _, st = speculative._generate_program(t_graph, d_graph, T_LAW, sp, -1, threshold, t_state, d_state,
-                                                   padded, jnp.int32(len(prompt)), k)
+                                                   padded, jnp.int32(len(prompt)), k, None, None, None,
+                                                   penalties)
         return out[:T_LAW], st
 
     run = jax.jit(jax.vmap(one), compiler_options=_OPTIMISED)
@@ -46,9 +47,10 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
     return np.asarray(toks), jax.device_get(st)
 
 
-def _conditional_law(target, prompt, draws, sp: SamplingParams) -> np.ndarray:
+def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None) -> np.ndarray:
     """p_t(. | prompt, draws[:, :t]) for every draw and position t, by the NumPy reference applied to the target's
-    teacher-forced logits (one prefill over all draws): [n, T_LAW, V]."""
+    teacher-forced logits (one prefill over all draws): [n, T_LAW, V]; with ``penalties`` (a ``Penalties``) the
+    logits penalised first (``sampling_ref.penalize``: each draw's tokens before t counted, the prompt's seen)."""
     P = len(prompt)
     seqs = np.concatenate([np.broadcast_to(np.asarray(prompt, np.int32), (len(draws), P)), draws], 1)
     graph, state = nnx.split(target)
@@ -59,6 +61,12 @@ def _conditional_law(target, prompt, draws, sp: SamplingParams) -> np.ndarray:
         cache = target.init_cache(chunk.shape[0], chunk.shape[1])
         logits.append(np.asarray(prefill(graph, state, chunk, cache, "prefill", ()).logits))
     logits = np.concatenate(logits)[:, P - 1:]
+    if penalties is not None:
+        V = logits.shape[-1]
+        hot = np.eye(V, dtype=np.int64)[draws]  # [n, T, V]
+        before = np.cumsum(hot, axis=1) - hot
+        logits = sampling_ref.penalize(logits, before, np.isin(np.arange(V), prompt), penalties.repetition,
+                                       penalties.frequency, penalties.presence)
     return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p)
 
 
@@ -120,6 +128,27 @@ def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, t
     if threshold > 0:  # verification really truncated, to every length
         assert (np.asarray(st.drafted) < 4 * np.asarray(st.target_steps)).mean() > 0.5
     law = _conditional_law(target, prompt, draws, sp)
+    pv = _position_pvalues(draws, law)
+    bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
+    assert not bad, f"positions failing (token, rank) p-values: {bad}"
+
+
+def test_lossless_sampling_law_with_penalties(law_pair):
+    """Repetition, frequency and presence penalties (``sampling.Penalties``) change the target's law at every
+    position with the tokens before it (drafts included, at every verified position): the sampled tokens follow the
+    penalised law (``sampling_ref.penalize`` then ``process``), drafts accepted and rejected. 11 positions x 2
+    checks at ALPHA: false-failure rate <= 2.2e-3."""
+    target, drafter = law_pair
+    sp, pen = SamplingParams(1.0, 0, 0.9), Penalties(1.6, 0.4, 0.3)
+    prompt = [3, 5, 4]
+    draws, st = _sample(target, drafter, prompt, sp, 0.0, N_LAW, seed=23, penalties=pen)
+    total = types.SimpleNamespace(target_steps=np.sum(st.target_steps), accept_counts=np.sum(st.accept_counts, 0))
+    hist = histogram(total, 4)
+    print(f"acceptance histogram with penalties (steps with 0..4 accepted, all draws): {hist.tolist()}")
+    assert (hist > 0).all(), hist  # every accepted length, none to the whole block
+    law = _conditional_law(target, prompt, draws, sp, pen)
+    plain = _conditional_law(target, prompt, draws, sp)
+    assert np.abs(law - plain).max() > 0.1  # the penalties move the law
     pv = _position_pvalues(draws, law)
     bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
     assert not bad, f"positions failing (token, rank) p-values: {bad}"

@@ -64,7 +64,7 @@ def test_health_models_and_a_completion(srv):
 def test_token_id_prompt_stop_string_and_model_name(srv):
     # fields this server does not implement, at the values that ask for nothing (OpenAI clients send them)
     defaults = {"n": 1, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
-                "logit_bias": {}, "user": "u1"}
+                "logit_bias": {}, "user": "u1", "min_tokens": 0}
     r = httpx.post(srv.url + "/v1/completions", json={"model": "scripted", "prompt": [256, 97], "max_tokens": 20,
                                                       "stop": ["fgh"], **defaults}).json()
     assert r["choices"][0]["text"] == "bcde" and r["choices"][0]["finish_reason"] == "stop"
@@ -129,7 +129,11 @@ BAD = [
     ({"prompt": "x", "suffix": "y"}, "'suffix' = \"y\" is not supported", "suffix", 400),
     ({"prompt": "x", "logprobs": 6}, "'logprobs' must be an integer in 0..5, got 6", "logprobs", 400),
     ({"prompt": "x", "logprobs": True}, "'logprobs' must be an integer in 0..5, got a boolean", "logprobs", 400),
-    ({"prompt": "x", "presence_penalty": 0.5}, "'presence_penalty' = 0.5 is not supported", "presence_penalty", 400),
+    ({"prompt": "x", "presence_penalty": 2.5}, "'presence_penalty' must be a number in [-2, 2]", "presence_penalty",
+     400),
+    ({"prompt": "x", "repetition_penalty": 0}, "'repetition_penalty' must be a number > 0", "repetition_penalty",
+     400),
+    ({"prompt": "x", "min_tokens": 3}, "'min_tokens' = 3 is not supported", "min_tokens", 400),
     ({"prompt": "x", "logit_bias": {"5": 10}}, "'logit_bias'", "logit_bias", 400),
 ]
 
