@@ -131,16 +131,18 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      chat: bool = False, max_prompt: Optional[int] = None,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
                      max_logprobs: Optional[int] = None, max_n: int = 1,
-                     tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> Parsed:
+                     tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
+                     penalties: bool = True) -> Parsed:
     """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``);
     ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools);
-    ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not).
+    ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not);
+    ``penalties``: whether the server applies repetition / frequency / presence penalties (``--no-penalties``).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-                      max_logprobs, max_n, tool_parser, reasoning_parser)
+                      max_logprobs, max_n, tool_parser, reasoning_parser, penalties)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -217,7 +219,7 @@ def _message(m: dict, i: int, vision) -> tuple:
 
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs, max_n, tool_parser, reasoning_parser):
+           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True):
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -308,6 +310,10 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         ("repetition_penalty", 1.0, lambda v: math.isfinite(v) and v > 0, "a number > 0 (1: off)"),
         ("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
         ("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"))}
+    asked = [k for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)]
+    if asked and not penalties_served:
+        raise ApiError(400, "penalties are off on this server (started with --no-penalties)", asked[0],
+                       code="unsupported")
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
         raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",
@@ -327,7 +333,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               is_ready=lambda: True, max_prompt: Optional[int] = None,
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
               max_n: int = 1, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None, penalties: bool = True) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
@@ -364,7 +370,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             q = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
                 chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
-                max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+                max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties)
         except ApiError as e:
             return err(e)
         if q.best_of > engine.max_waiting:
@@ -476,6 +482,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "completions' logprobs)")
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false",
                     help="compile the programs without log-probabilities (a request asking for them is a 400)")
+    ap.add_argument("--no-penalties", dest="penalties", action="store_false",
+                    help="compile the programs without repetition / frequency / presence penalties (a request asking "
+                         "for them is a 400)")
     ap.add_argument("--max-n", type=int, default=16,
                     help="the most choices a request may ask ('n'): each is a request of its own in the engine")
     ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",
@@ -518,7 +527,7 @@ def make_engine(a: argparse.Namespace):
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
-                          max_logprobs=a.max_logprobs if a.logprobs else None,
+                          max_logprobs=a.max_logprobs if a.logprobs else None, penalties=a.penalties,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
@@ -560,7 +569,8 @@ def main(argv=None) -> int:
                     spec_modes=("fixed", "adaptive") if backend.adaptive else ("fixed",), vision=target.config.vision,
                     max_logprobs=backend.max_logprobs, max_n=a.max_n,
                     tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
-                    reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser)
+                    reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
+                    penalties=backend.penalties)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -29,19 +29,20 @@ HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs"
                 "frequency_penalty", "presence_penalty")
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs"),
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs", "penalties"),
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
                penalties_3, media_PD=None, want_prompt=None, *, max_len, chunk=None,
-               logprobs: Optional[int] = None):
+               logprobs: Optional[int] = None, penalties: bool = True):
     """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
     ``TokenLogprobs``, the prompt's where ``want_prompt`` says so: ``speculative.prefill_stream``). ``media_PD``:
     the prompt's image features, padded to the prompt bucket (a prompt of P tokens holds at most P placeholders),
     so one program serves every image prompt of a bucket. ``penalties_3``: float32 [3], the request's repetition,
-    frequency and presence penalties (``sampling.Penalties``)."""
+    frequency and presence penalties (``sampling.Penalties``; static ``penalties`` False: not compiled in, the
+    rows carry no counts)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
-    pen = Penalties.rows(*(penalties_3[j] for j in range(3)))
+    pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
                                      logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
@@ -49,9 +50,9 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps",
-                                             "extend_context", "logprobs"), donate_argnames=("state",))
+                                             "extend_context", "logprobs", "penalties"), donate_argnames=("state",))
 def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, confidence, all_slots=False, steps=1,
-              extend_context=True, logprobs: Optional[int] = None):
+              extend_context=True, logprobs: Optional[int] = None, penalties: bool = True):
     """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_bC``: float32 [b,
     len(HOST_COLUMNS)], per row its slot index, top_k, temperature, top_p, draft cap, whether it wants
     log-probabilities (> 0) and its three penalties, the host's inputs packed into one array (the integers are exact
@@ -74,7 +75,8 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
 
     def one(st, t, k, p, cap, pen3):
         sp = SamplingParams.rows(t, k, p, batch)
-        kw = dict(logprobs=logprobs, want_logprobs=want, penalties=Penalties.rows(*pen3, penalising))
+        kw = dict(logprobs=logprobs, want_logprobs=want,
+                  penalties=Penalties.rows(*pen3, penalising) if penalties else None)
         if drafter is None or width == 1:  # extending the context of rows that draft on later steps
             return plain_step(target, st, sp, drafter if extend_context else None, **kw)
         return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence, **kw)

@@ -101,7 +101,7 @@ class SlotBackend:
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
-                 max_logprobs: Optional[int] = None):
+                 max_logprobs: Optional[int] = None, penalties: bool = True):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -127,9 +127,11 @@ class SlotBackend:
                                  f"positions; with a block they exceed max_len ({self.max_len})")
         self.t_graph, self.t_state = split_module(self.target)
         self.d_graph, self.d_state = split_module(self.drafter) if self.drafter is not None else (None, None)
-        row, _ = jax.eval_shape(lambda: prefill_stream(  # with penalties: every row carries their counts
+        # repetition penalties (``sampling.Penalties``): False, not compiled in (the rows carry no counts)
+        self.penalties = bool(penalties)
+        row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
-            jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties()))
+            jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None))
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
@@ -217,6 +219,8 @@ class SlotBackend:
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
+        if pen != (1.0, 0.0, 0.0) and not self.penalties:
+            raise ValueError("repetition / frequency / presence penalties: this backend was built without them")
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen)
         self.modes[slot] = mode
         self.tracker.reset(slot)
@@ -246,8 +250,11 @@ class SlotBackend:
         (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
         else None)."""
         self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p,
-                                                           penalties), logprobs=self.max_logprobs)
+                                                           penalties), **self._extend_kw())
         return first, (lp[0] if lp else None)
+
+    def _extend_kw(self) -> dict:
+        return dict(logprobs=self.max_logprobs, penalties=self.penalties)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
                      top_p: float, penalties=(1.0, 0.0, 0.0)) -> tuple:
@@ -273,7 +280,7 @@ class SlotBackend:
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
                  np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32), media_PD, want),
-                dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs))
+                dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):
         """The request's image features padded to [P, D] (rows past its M placeholders unused), or None for a
@@ -384,7 +391,8 @@ class SlotBackend:
         # (slot_programs.HOST_COLUMNS)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
-                     steps=int(steps), extend_context=extend, logprobs=self.max_logprobs))
+                     steps=int(steps), extend_context=extend, logprobs=self.max_logprobs,
+                     penalties=self.penalties))
 
     def collect(self, h: dict) -> dict:
         """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
@@ -488,8 +496,7 @@ class SlotBackend:
             out.append((insert_row, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
                                                     dispatch.prefill_chunk(P, self.prefill_chunk))))
             if self.prefix is not None:  # a prefix-cache hit's extension of this bucket
-                out.append((extend, self._extend_args(0, 0, padded, P, 0, 0.0, 0, 1.0),
-                            dict(logprobs=self.max_logprobs)))
+                out.append((extend, self._extend_args(0, 0, padded, P, 0, 0.0, 0, 1.0), self._extend_kw()))
         if self.prefix is not None:
             out.append((snapshot, (self.pool, self.state, np.int32(0), np.int32(0)), {}))
         for b in self.batch_buckets:

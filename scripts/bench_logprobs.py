@@ -1,6 +1,7 @@
-"""What serving log-probabilities costs a step, per batch bucket and verify width (JSON).
+"""What serving log-probabilities (or repetition penalties) costs a step, per batch bucket and verify width (JSON).
 
   python scripts/bench_logprobs.py --json                       # the shipped pair, batches 1 and 16, W = 1 and G + 1
+  python scripts/bench_logprobs.py --feature penalties --json   # the same arms for penalties
 
 Three arms, each a ``SlotBackend`` (``jdspark/slots.py``) of the same pair with every slot filled by a held-out
 prompt, steps launched back to back as the engine pipelines them (ms per step), and one prompt's insert
@@ -12,6 +13,11 @@ prompt, steps launched back to back as the engine pipelines them (ms per step), 
               ``jdspark.logprobs.when``)
     asked     the same backend with every row asking for 20 top entries a token (device work, the read-back and
               the host's entries, ``SlotBackend.collect``)
+
+``--feature penalties``: off = ``penalties=False`` (``--no-penalties``), unasked = compiled in (the default) with
+no row penalised (the ``lax.cond`` skips the penalised logits; each row's counts are still updated), asked = every
+row with repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``); log-probabilities off in
+every arm.
 
 The arms' rounds interleave (each round times every arm, the order rotating) and each ratio is the median of the
 rounds' ratios taken side by side (this machine's speed drifts by more than the effect within a minute). W = 1
@@ -34,23 +40,33 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 ARMS = ("off", "unasked", "asked")
+ASKED_PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
+# per feature: the backend's keyword arguments (compiled in or not), and what a request asking for it sets
+FEATURES = {
+    "logprobs": (lambda on, top: dict(max_logprobs=top if on else None),
+                 lambda top, insert: dict(logprobs=top, prompt_logprobs=top if insert else None)),
+    "penalties": (lambda on, top: dict(max_logprobs=None, penalties=on), lambda top, insert: ASKED_PENALTIES),
+}
 
 
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
-        top: int = 20, steps: int = 1) -> dict:
+        top: int = 20, steps: int = 1, feature: str = "logprobs") -> dict:
     from jdspark.engine import SamplingRequest
     from jdspark.graphs import memory_maps
     from jdspark.slot_programs import step_rows
     from jdspark.slots import SlotBackend
 
+    if feature not in FEATURES:
+        raise ValueError(f"feature: expected one of {sorted(FEATURES)}, got {feature!r}")
+    backend_kw, asking = FEATURES[feature]
     P = max(len(p) for p in prompts)
     G = drafter.config.block_size if drafter is not None else 0
     if (iters + 1) * steps * max(widths) > max_len - P - G - 2:
         raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
                          f"after a {P}-token prompt; raise --max-len or lower --iters")
     backends = {m: SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,),
-                               prefix_pool=0, max_logprobs=None if m == "off" else top, multi_step=steps,
-                               multi_step_max_batch=slots) for m in ("off", "on")}
+                               prefix_pool=0, multi_step=steps, multi_step_max_batch=slots,
+                               **backend_kw(m == "on", top)) for m in ("off", "on")}
     compiled = {}
     for m, be in backends.items():  # the dearest program, compiled alone: its time and memory maps
         b, w = max(batches), max(widths)
@@ -68,7 +84,7 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
         be = arm_backend(arm)
         for s in range(n):
             be.insert(s, SamplingRequest(tuple(prompts[s % len(prompts)]), 1, seed=s,
-                                         logprobs=top if arm == "asked" else None))
+                                         **(asking(top, False) if arm == "asked" else {})))
             be.params[s, 3] = be.G  # drafting rows: W = 1 is adaptive's plain step
 
     cells = []
@@ -96,8 +112,7 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
         for arm in ARMS[r % 3:] + ARMS[:r % 3]:
             be = arm_backend(arm)
             req = SamplingRequest(tuple(prompts[r % len(prompts)]), 1, seed=r,
-                                  logprobs=top if arm == "asked" else None,
-                                  prompt_logprobs=top if arm == "asked" else None)
+                                  **(asking(top, True) if arm == "asked" else {}))
             t0 = time.perf_counter()
             be.insert(0, req)
             if r:
@@ -108,8 +123,9 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     for be in backends.values():
         for s in range(slots):
             be.free(s)
-    return {"cells": cells, "insert": insert, "top_logprobs": top, "steps_per_launch": steps, "slots": slots,
-            "max_len": max_len, "prompt_len": P, "iters": iters, "repeats": repeats, "compiled": compiled}
+    return {"feature": feature, "cells": cells, "insert": insert, "top_logprobs": top, "steps_per_launch": steps,
+            "slots": slots, "max_len": max_len, "prompt_len": P, "iters": iters, "repeats": repeats,
+            "compiled": compiled}
 
 
 def main(argv=None) -> int:
@@ -119,11 +135,12 @@ def main(argv=None) -> int:
                            widths_help="default: 1 and the drafter's whole block",
                            steps_help="K > 1: launches of K steps (multi-step scheduling: the server's at batch "
                                       "buckets <= 4)")
+    ap.add_argument("--feature", choices=sorted(FEATURES), default="logprobs")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     target, drafter, prompts, batches, widths = slot_bench_inputs(ap, a, "bench_logprobs", lambda G: sorted({1, G + 1}))
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
-              iters=a.iters, repeats=a.repeats, steps=a.steps_per_launch)
+              iters=a.iters, repeats=a.repeats, steps=a.steps_per_launch, feature=a.feature)
     for c in res["cells"]:
         print(f"[bench_logprobs] b={c['batch']:2d} W={c['width']}: off {c['off_ms']:7.2f} ms/step, unasked "
               f"{c['unasked_over_off']:.3f}x, asked {c['asked_over_off']:.3f}x", file=sys.stderr)

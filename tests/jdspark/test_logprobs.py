@@ -141,12 +141,14 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
             assert top == 0 or all(tops[0][0] == t for (_, tops), t in zip(entries, ids))
 
 
-def test_bench_logprobs_times_the_arms_side_by_side(pair):
+@pytest.mark.parametrize("feature", sorted(bench_logprobs.FEATURES))
+def test_bench_logprobs_times_the_arms_side_by_side(pair, feature):
     target, drafter = pair
     G = drafter.config.block_size
     prompts = [[1] + np.random.default_rng(i).integers(3, 64, 31).tolist() for i in range(2)]
     res = bench_logprobs.run(target, drafter, prompts, slots=2, max_len=96, batches=[2], widths=[G + 1], iters=2,
-                             repeats=1, top=3)
+                             repeats=1, top=3, feature=feature)
+    assert res["feature"] == feature
     assert [(c["batch"], c["width"]) for c in res["cells"]] == [(2, G + 1)]
     for c in res["cells"]:
         assert all(c[f"{a}_ms"] > 0 for a in bench_logprobs.ARMS)
@@ -155,4 +157,4 @@ def test_bench_logprobs_times_the_arms_side_by_side(pair):
     assert set(res["compiled"]) == {"off", "on"} and all(v["compile_s"] > 0 for v in res["compiled"].values())
     with pytest.raises(ValueError, match="overflow"):
         bench_logprobs.run(target, drafter, prompts, slots=2, max_len=40, batches=[2], widths=[G + 1], iters=8,
-                           repeats=1)
+                           repeats=1, feature=feature)

@@ -109,7 +109,7 @@ def test_served_penalties_equal_batch_one_generate(pair):
 
 
 def test_the_server_takes_penalties():
-    from jdspark.serve import parse_completion
+    from jdspark.serve import ApiError, parse_completion
     from kimi.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
@@ -118,3 +118,7 @@ def test_the_server_takes_penalties():
                          model_name="m")
     s = q.sampling
     assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (1.2, -0.5, 2.0)
+    with pytest.raises(ApiError, match="--no-penalties") as e:
+        parse_completion({"prompt": "x", "presence_penalty": 0.1}, tokenizer=tok, vocab_size=tok.vocab_size,
+                         max_context=64, model_name="m", penalties=False)
+    assert e.value.param == "presence_penalty"
