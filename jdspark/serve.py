@@ -21,8 +21,8 @@ passed to the template. Forcing a call ("required", a named function) needs cons
 With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
 (``jdspark.reasoning``).
 
-Penalties: ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (vLLM's semantics,
-``jdspark.sampling.Penalties``), applied to the target's law at every verified position: lossless.
+Penalties (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (vLLM's
+semantics, ``jdspark.sampling.Penalties``), applied to the target's law at every verified position: lossless.
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
@@ -136,7 +136,7 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``);
     ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools);
     ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not);
-    ``penalties``: whether the server applies repetition / frequency / presence penalties (``--no-penalties``).
+    ``penalties``: whether the server applies repetition / frequency / presence penalties (``--penalties``).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
@@ -312,7 +312,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         ("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"))}
     asked = [k for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)]
     if asked and not penalties_served:
-        raise ApiError(400, "penalties are off on this server (started with --no-penalties)", asked[0],
+        raise ApiError(400, "penalties are off on this server (start it with --penalties)", asked[0],
                        code="unsupported")
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
@@ -333,7 +333,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               is_ready=lambda: True, max_prompt: Optional[int] = None,
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
               max_n: int = 1, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None, penalties: bool = True) -> FastAPI:
+              reasoning_parser: Optional[str] = None, penalties: bool = False) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
@@ -482,9 +482,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "completions' logprobs)")
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false",
                     help="compile the programs without log-probabilities (a request asking for them is a 400)")
-    ap.add_argument("--no-penalties", dest="penalties", action="store_false",
-                    help="compile the programs without repetition / frequency / presence penalties (a request asking "
-                         "for them is a 400)")
+    ap.add_argument("--penalties", action="store_true",
+                    help="compile repetition / frequency / presence penalties into the programs (without it a request "
+                         "asking for them is a 400: compiled in, steps of requests without them cost 3-4%% more at "
+                         "the whole block's width, docs/serving.md)")
     ap.add_argument("--max-n", type=int, default=16,
                     help="the most choices a request may ask ('n'): each is a request of its own in the engine")
     ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",

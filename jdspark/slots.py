@@ -101,7 +101,7 @@ class SlotBackend:
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
-                 max_logprobs: Optional[int] = None, penalties: bool = True):
+                 max_logprobs: Optional[int] = None, penalties: bool = False):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -127,7 +127,9 @@ class SlotBackend:
                                  f"positions; with a block they exceed max_len ({self.max_len})")
         self.t_graph, self.t_state = split_module(self.target)
         self.d_graph, self.d_state = split_module(self.drafter) if self.drafter is not None else (None, None)
-        # repetition penalties (``sampling.Penalties``): False, not compiled in (the rows carry no counts)
+        # repetition penalties (``sampling.Penalties``): False (the default), not compiled in (the rows carry no
+        # counts): compiled in, a step whose rows do not penalise still paid 3-4% at W = G + 1 (b = 1 and 16,
+        # docs/bench_penalties_default_pair.json), so a server offers them only when started with --penalties
         self.penalties = bool(penalties)
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
@@ -220,7 +222,8 @@ class SlotBackend:
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
         if pen != (1.0, 0.0, 0.0) and not self.penalties:
-            raise ValueError("repetition / frequency / presence penalties: this backend was built without them")
+            raise ValueError("repetition / frequency / presence penalties: this backend was built without them "
+                             "(SlotBackend(penalties=True); the server's --penalties)")
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen)
         self.modes[slot] = mode
         self.tracker.reset(slot)

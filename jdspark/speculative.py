@@ -135,6 +135,17 @@ def _counted(counts_V, new_K, n_new):
     return counts_V + jnp.zeros((V,), jnp.int32).at[new_K].add(live, mode="drop")
 
 
+def _recounted(st: Stream, new_K, n_new, pen: Optional[Penalties]):
+    """The stream's counts after committing the first ``n_new`` of ``new_K`` (None where it keeps none). Under a
+    batch flag (``pen.any``) a batch whose rows do not penalise skips the update: their counts are never read, and
+    a row that penalises does so on every step it takes, so the flag is set whenever its counts move."""
+    if st.counts is None:
+        return None
+    if pen is None or pen.any is None:
+        return _counted(st.counts, new_K, n_new)
+    return jax.lax.cond(pen.any, lambda: _counted(st.counts, new_K, n_new), lambda: st.counts)
+
+
 def _penalized(logits_KV, st: Stream, drafts_k, pen: Optional[Penalties]):
     """A step's logits at its K positions under ``pen``: position j counts the stream's generated tokens and the
     drafts before it (``drafts_k`` [K - 1]; position j predicts the token after the anchor and drafts 1..j)."""
@@ -422,7 +433,7 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: O
             dcache = drafter.append_context(st.dcache, res.taps, 1, start_pos=st.cache.length)
     one = jnp.int32(1)
     lp = None if logprobs is None else when(want_logprobs, logits_1V, nxt, logprobs)
-    counts = None if st.counts is None else _counted(st.counts, nxt, 1)
+    counts = _recounted(st, nxt, 1, penalties)
     return (Stream(nxt, res.cache, dcache, key, counts, st.prompt_seen),
             StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp))
 
@@ -467,7 +478,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
     lp = None if logprobs is None else when(want_logprobs, ver.logits[0], new, logprobs)
-    counts = None if st.counts is None else _counted(st.counts, new, m + 1)
+    counts = _recounted(st, new, m + 1, penalties)
     return (Stream(nxt[None], cache, dcache, key, counts, st.prompt_seen),
             StepOut(new, m + 1, n_verify, m, survival, lp))
 

@@ -14,7 +14,7 @@ prompt, steps launched back to back as the engine pipelines them (ms per step), 
     asked     the same backend with every row asking for 20 top entries a token (device work, the read-back and
               the host's entries, ``SlotBackend.collect``)
 
-``--feature penalties``: off = ``penalties=False`` (``--no-penalties``), unasked = compiled in (the default) with
+``--feature penalties``: off = ``penalties=False`` (the default), unasked = compiled in (``--penalties``) with
 no row penalised (the ``lax.cond`` skips the penalised logits; each row's counts are still updated), asked = every
 row with repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``); log-probabilities off in
 every arm.

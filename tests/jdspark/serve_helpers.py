@@ -90,7 +90,7 @@ class LiveServer:
         app = build_app(self.engine, self.tok, model_name="scripted", vocab_size=self.tok.vocab_size,
                         max_context=max_context, metrics=self.metrics,
                         spec_modes=("fixed",), max_logprobs=5, max_n=4,  # as a server started with --spec fixed
-                        tool_parser="kimi_k2", reasoning_parser=reasoning_parser)
+                        tool_parser="kimi_k2", reasoning_parser=reasoning_parser, penalties=True)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jdspark
 import kimi
@@ -17,7 +18,7 @@ from jdspark.slots import SlotBackend
 from tests.jdspark import sampling_ref
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 
-PEN = (1.4, 0.6, 0.5)  # repetition, frequency, presence: all three at once
+PEN = (2.5, 0.6, 0.5)  # repetition, frequency, presence: all three at once
 
 
 def test_penalize_equals_the_definition():
@@ -89,23 +90,23 @@ def test_served_penalties_equal_batch_one_generate(pair):
     whole block's width, the same keys)."""
     target, drafter = pair
     be = SlotBackend(target, drafter, num_slots=4, max_len=96, prompt_buckets=(32,), batch_buckets=(4,),
-                     prefix_pool=2, prefix_min_tokens=8)
+                     prefix_pool=2, prefix_min_tokens=8, penalties=True)
     rng = np.random.default_rng(4)
     base = [1] + rng.integers(3, 64, 17).tolist()
-    asks = [(base, dict(zip(("repetition_penalty", "frequency_penalty", "presence_penalty"), PEN))),
-            (base + rng.integers(3, 64, 5).tolist(), dict(repetition_penalty=3.0, frequency_penalty=0.8)),
+    pen = dict(zip(("repetition_penalty", "frequency_penalty", "presence_penalty"), PEN))
+    asks = [(base, pen), (base + rng.integers(3, 64, 5).tolist(), pen),  # (one program: the greedy test's)
             ([1] + rng.integers(3, 64, 12).tolist(), dict(presence_penalty=0.7, temperature=1.0, seed=2)),
             ([1] + rng.integers(3, 64, 9).tolist(), dict())]
     outs = [[] for _ in asks]
     for s, (p, kw) in enumerate(asks):
-        outs[s] += be.insert(s, SamplingRequest(tuple(p), 20, **kw)).tokens
+        outs[s] += be.insert(s, SamplingRequest(tuple(p), 24, **kw)).tokens
     assert be.prefix.hits == len(base)  # the second request extended the first's kept prompt
-    while min(map(len, outs)) < 20:
+    while min(map(len, outs)) < 24:
         for s, r in be.step([0, 1, 2, 3], width=be.G + 1).items():
             outs[s] += r.tokens
     for (p, kw), got in zip(asks, outs):
-        ref = jdspark.generate(target, drafter, np.asarray(p), max_new_tokens=20, eos_token_id=-1, **kw)
-        assert got[:20] == list(ref.tokens), kw
+        ref = jdspark.generate(target, drafter, np.asarray(p), max_new_tokens=24, eos_token_id=-1, **kw)
+        assert got[:24] == list(ref.tokens), kw
 
 
 def test_the_server_takes_penalties():
@@ -118,7 +119,12 @@ def test_the_server_takes_penalties():
                          model_name="m")
     s = q.sampling
     assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (1.2, -0.5, 2.0)
-    with pytest.raises(ApiError, match="--no-penalties") as e:
+    with pytest.raises(ApiError, match="start it with --penalties") as e:
         parse_completion({"prompt": "x", "presence_penalty": 0.1}, tokenizer=tok, vocab_size=tok.vocab_size,
                          max_context=64, model_name="m", penalties=False)
     assert e.value.param == "presence_penalty"
+    be = SlotBackend(kimi.KimiForCausalLM(kimi.KimiConfig.tiny(), rngs=nnx.Rngs(0)), None,
+                     num_slots=1, max_len=64, prompt_buckets=(16,))  # the default: not compiled in
+    assert be.state.counts is None
+    with pytest.raises(ValueError, match="built without them"):
+        be.insert(0, SamplingRequest((1, 5, 6), 4, presence_penalty=0.5))
