@@ -16,7 +16,7 @@ from jdspark.engine import SamplingRequest
 from jdspark.sampling import Penalties, penalize
 from jdspark.slots import SlotBackend
 from tests.jdspark import sampling_ref
-from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
+from tests.jdspark.test_logprobs import pair  # noqa: F401  (the tiny pair: drafts partly wrong)
 
 PEN = (2.5, 0.6, 0.5)  # repetition, frequency, presence: all three at once
 
@@ -40,14 +40,6 @@ def test_penalize_equals_the_definition():
     assert penalize(z, counts, prompt, Penalties()) is z  # statically off: nothing compiled in
 
 
-@pytest.fixture(scope="module")
-def pair():
-    cfg = kimi.KimiConfig.tiny(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts=16)
-    target = scaled_target(cfg, 0.3, seed=5)
-    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0, seed=5)), 0.2, 4.0, seed=5)
-    return target, drafter
-
-
 def _reference(target, prompt, n: int, pen) -> list:
     """n greedy tokens, penalised in NumPy, by the target's own prefill and step decode (no generate loop)."""
     V = target.config.vocab_size
@@ -63,7 +55,7 @@ def _reference(target, prompt, n: int, pen) -> list:
     return toks
 
 
-def test_greedy_with_penalties_equals_the_reference(pair):
+def test_greedy_with_penalties_equals_the_reference(pair):  # noqa: F811
     target, drafter = pair
     rng = np.random.default_rng(3)
     prompts = [[1] + rng.integers(3, 64, 15).tolist() for _ in range(3)]
@@ -84,7 +76,7 @@ def test_greedy_with_penalties_equals_the_reference(pair):
         jdspark.generate(target, None, np.asarray(prompts[0]), max_new_tokens=4, repetition_penalty=0.0)
 
 
-def test_served_penalties_equal_batch_one_generate(pair):
+def test_served_penalties_equal_batch_one_generate(pair):  # noqa: F811
     """Requests with penalties beside one without, in one backend (per-row penalties, a prefix-cache hit's
     extension too): each equals batch-1 generate with its own settings, token for token (greedy; sampled at the
     whole block's width, the same keys)."""
