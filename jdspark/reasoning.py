@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from jdspark.tool_calls import held, special_ids
+
 __all__ = ["PARSERS", "THINK_BEGIN", "THINK_END", "split", "marker_ids", "Splitter", "started_by"]
 
 PARSERS = ("think",)  # ``--reasoning-parser`` choices (and "none")
@@ -34,12 +36,7 @@ def split(text: str, started: bool) -> tuple:
 
 def marker_ids(tokenizer) -> frozenset:
     """The ids of ``<think>`` / ``</think>`` among ``tokenizer``'s special tokens (empty where they are text)."""
-    return frozenset(tokenizer.special_tokens[m] for m in (THINK_BEGIN, THINK_END) if m in tokenizer.special_tokens)
-
-
-def _held(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could be the beginning of ``marker``."""
-    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+    return special_ids(tokenizer, (THINK_BEGIN, THINK_END))
 
 
 class Splitter:
@@ -74,7 +71,7 @@ class Splitter:
                     self.sent += i + len(THINK_END)
                     self.state = "answer"
                     continue
-                upto = len(rest) - _held(rest, THINK_END)
+                upto = len(rest) - held(rest, THINK_END)
                 reasoning.append(rest[:upto])
                 self.sent += upto
                 break

@@ -29,7 +29,7 @@ import re
 from typing import Optional
 
 __all__ = ["PARSERS", "SECTION_BEGIN", "SECTION_END", "CALL_BEGIN", "ARGUMENT_BEGIN", "CALL_END", "ToolCall",
-           "parse", "marker_ids", "Splitter"]
+           "parse", "special_ids", "marker_ids", "held", "Splitter"]
 
 PARSERS = ("kimi_k2",)  # ``--tool-call-parser`` choices (and "none")
 
@@ -77,10 +77,21 @@ def parse(text: str) -> tuple:
     return (content if content.strip() else None), calls
 
 
+def special_ids(tokenizer, names) -> frozenset:
+    """The ids of ``names`` among ``tokenizer``'s special tokens (a name it spells in ordinary tokens decodes
+    anyway, so it needs none)."""
+    return frozenset(tokenizer.special_tokens[m] for m in names if m in tokenizer.special_tokens)
+
+
 def marker_ids(tokenizer) -> frozenset:
-    """The ids of the format's markers among ``tokenizer``'s special tokens (empty where it has none: a vocabulary
-    that spells them in ordinary tokens decodes them anyway)."""
-    return frozenset(tokenizer.special_tokens[m] for m in MARKERS if m in tokenizer.special_tokens)
+    """The ids of the format's markers among ``tokenizer``'s special tokens (``special_ids``)."""
+    return special_ids(tokenizer, MARKERS)
+
+
+def held(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` could be the beginning of ``marker`` (a stream holds them back
+    until the next delta says)."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
 
 
 class Splitter:
@@ -99,8 +110,7 @@ class Splitter:
             self.in_section = True
             upto = i
         else:  # hold back a tail that may be the marker's beginning
-            hold = next((k for k in range(min(len(SECTION_BEGIN) - 1, len(self.text)), 0, -1)
-                         if self.text.endswith(SECTION_BEGIN[:k])), 0)
+            hold = held(self.text, SECTION_BEGIN)
             upto = len(self.text) - hold
         out, self.sent = self.text[self.sent:max(upto, self.sent)], max(upto, self.sent)
         return out
