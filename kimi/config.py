@@ -36,10 +36,10 @@ class KimiConfig(FrozenConfig):
     # vocabulary and width
     vocab_size: int = 512
     hidden_size: int = 64
-    num_hidden_layers: int = 5
+    num_hidden_layers: int = 3
     # 1-based layer lists (the published convention); together they must cover 1..num_hidden_layers exactly once
-    kda_layers: tuple[int, ...] = (1, 2, 3, 5)
-    full_attn_layers: tuple[int, ...] = (4,)
+    kda_layers: tuple[int, ...] = (1, 3)
+    full_attn_layers: tuple[int, ...] = (2,)
     # MLA
     num_attention_heads: int = 4
     q_lora_rank: Optional[int] = 32
@@ -288,8 +288,10 @@ class KimiConfig(FrozenConfig):
 
     @classmethod
     def tiny(cls, **kw) -> "KimiConfig":
-        """Every feature on, seconds to compile: KDA + MLA, LatentMoE with shared experts, dense first layer,
-        AttnRes with an odd layer count (the last block is partial)."""
+        """Every feature on, seconds to compile: 3 layers (KDA, MLA, KDA: both orders of the two attentions),
+        LatentMoE with shared experts after a dense first layer, AttnRes with an odd layer count (the last block is
+        partial). Three, not five: XLA's compile time grows with the layers, and the test suite is mostly compiles
+        (fortieth session: a cold 2-worker run 757 s -> ~700 s)."""
         return cls(**kw)
 
     # ------------------------------------------------------------------ HF config.json

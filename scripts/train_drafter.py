@@ -54,7 +54,7 @@ def build_drafter(target, a, tokenizer) -> jdspark.DSparkDrafter:
     if tokenizer.mask_id is None:
         raise ValueError("the target's tokenizer has no mask token (<mask>) for the drafter's block slots")
     L = cfg.num_hidden_layers
-    taps = _parse_taps(a.taps) if a.taps else (1, L // 2, L - 1)
+    taps = _parse_taps(a.taps) if a.taps else tuple(sorted({1, L // 2, L - 1}))  # distinct on a shallow target
     dc = jdspark.DSparkConfig.for_target(cfg, block_size=a.block_size, num_hidden_layers=a.layers or 1,
                                          markov_rank=a.markov_rank, mask_token_id=tokenizer.mask_id,
                                          aux_hidden_state_layer_ids=taps, num_attention_heads=a.heads,

@@ -93,8 +93,9 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
         _wait_until_finished(eng, reqs, 900)
     finally:
         eng.shutdown()
-    assert [r.finished for r in reqs] == ["length" if len(r.output_ids) == r.sampling.max_tokens else "stop"
-                                          for r in reqs]
+    eos = target.config.eos_token_id  # EOS ends a request as "stop", also when it is the max_tokens-th token
+    assert [r.finished for r in reqs] == ["stop" if r.output_ids[-1] == eos else "length" for r in reqs]
+    assert all(len(r.output_ids) == r.sampling.max_tokens for r in reqs if r.finished == "length")
     spec_lens = []
     for r in reqs:
         sp = r.sampling
