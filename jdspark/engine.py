@@ -64,6 +64,13 @@ class SamplingRequest:
     repetition_penalty: float = 1.0  # ``jdspark.sampling.Penalties`` (1, 0, 0: off)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logit_bias: tuple = ()  # ((token id, value), ...): OpenAI's logit_bias (``speculative.LogitControls``)
+    min_tokens: int = 0  # vLLM's: ``stop_token_ids`` not drawn, and stop strings not matched, before this many tokens
+    stop_token_ids: tuple = ()  # the ids min_tokens holds back (EOS, unless the request ignores it)
+
+    @property
+    def has_controls(self) -> bool:
+        return bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclasses.dataclass
@@ -116,6 +123,7 @@ class Request:
     output_ids: list = dataclasses.field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of text already sent
+    stop_floor: int = 0  # characters of text before its min_tokens-th token: a stop string must end past them
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
@@ -145,8 +153,9 @@ def combined_usage(reqs: Sequence[Request]) -> dict:
 
 def _stop_at(req: Request) -> int:
     """Where the first of ``req.stop`` begins in its text, searched from the last characters already sent that a
-    stop string could still end in; -1 where none does."""
-    return min((j for j in (req.text.find(x, max(0, req.sent - len(x))) for x in req.stop) if j >= 0), default=-1)
+    stop string could still end in (and ending past ``stop_floor``: min_tokens); -1 where none does."""
+    return min((j for j in (req.text.find(x, max(0, req.sent - len(x), req.stop_floor - len(x) + 1))
+                            for x in req.stop) if j >= 0), default=-1)
 
 
 class Engine:
@@ -375,6 +384,9 @@ class Engine:
         if req.stop:  # token by token: the tokens after the one that completes a stop string were never the
             for i, t in enumerate(take):  # request's (usage counts what the client got)
                 req.text += req.decoder.add([t])
+                if len(req.output_ids) + i + 1 < req.sampling.min_tokens:  # vLLM: no stop before min_tokens
+                    req.stop_floor = len(req.text)
+                    continue
                 cut = _stop_at(req)
                 if cut >= 0:
                     take = take[:i + 1]

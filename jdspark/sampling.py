@@ -92,7 +92,8 @@ class Penalties:
     verified position with the drafts before it counted (``penalize``): greedy accepts against the penalised
     argmax, rejection sampling against the penalised p, and stays lossless (the drafter's q may be anything).
     Fields are Python floats (one setting for a program; all off: nothing is compiled in) or per-row arrays with
-    ``any`` a scalar of the whole batch (some row penalises; a batch where none does skips the work)."""
+    ``any`` a scalar of the whole batch (some row penalises, or has logit controls; a batch where none does skips
+    the work). A request's logit_bias and min_tokens are applied by the same ``penalize`` (``bias_V`` etc.)."""
 
     repetition: object = 1.0
     frequency: object = 0.0
@@ -124,11 +125,17 @@ jax.tree_util.register_dataclass(Penalties, data_fields=["repetition", "frequenc
                                  meta_fields=[])
 
 
-def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties):
+def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties, bias_V=None, stop_V=None, min_tokens=None):
     """``logits_XV`` [..., V] under ``pen`` (``Penalties``' equations), fp32: ``counts_XV`` [..., V] the times
-    each token was generated before each position, ``prompt_V`` [V] bool the prompt's tokens. Unchanged (not even
-    cast) when ``pen`` is statically off."""
-    if pen.off:
+    each token was generated before each position, ``prompt_V`` [V] bool the prompt's tokens. Then, with ``bias_V``
+    (float32 [V]; None: none), the request's logit controls (OpenAI's / vLLM's):
+
+        logit_bias:  z + bias_V
+        min_tokens:  -inf at the ids of ``stop_V`` ([V] bool: EOS) where n < ``min_tokens``, n = sum_v counts_XV
+                     (the tokens generated before the position)
+
+    Unchanged (not even cast) when ``pen`` is statically off and there is no bias."""
+    if pen.off and bias_V is None:
         return logits_XV
     z = logits_XV.astype(jnp.float32)
     if pen.is_static:
@@ -137,10 +144,15 @@ def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties):
         r, f, p = (_lead(v, z)[..., None] for v in (pen.repetition, pen.frequency, pen.presence))
 
     def apply(z):
-        c = counts_XV.astype(jnp.float32)
-        seen = prompt_V | (counts_XV > 0)
-        z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
-        return z - f * c - p * (c > 0).astype(jnp.float32)
+        if not pen.off:
+            c = counts_XV.astype(jnp.float32)
+            seen = prompt_V | (counts_XV > 0)
+            z = jnp.where(seen, jnp.where(z > 0, z / r, z * r), z)
+            z = z - f * c - p * (c > 0).astype(jnp.float32)
+        if bias_V is not None:
+            early_X = jnp.sum(counts_XV, axis=-1) < min_tokens
+            z = jnp.where(stop_V & early_X[..., None], -jnp.inf, z + bias_V)
+        return z
 
     return _when(None if pen.is_static else pen.any, apply, z)
 

@@ -10,9 +10,9 @@ decoded incrementally. ``usage`` carries the completion's own acceptance (``draf
 ``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
 took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
 ``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
-queue is full, 503 before the engine is ready); a request field this server does not implement (``logit_bias``,
-``min_tokens``, ``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks
-for nothing. A client that disconnects frees its slot.
+queue is full, 503 before the engine is ready); a request field this server does not implement (``suffix``,
+``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks for nothing. A
+client that disconnects frees its slot.
 
 Tools (chat): ``tools`` with ``tool_choice`` "auto" (or "none") are rendered by the checkpoint's chat template, and
 the answer's calls are read in ``--tool-call-parser``'s format (Kimi K2's; ``jdspark.tool_calls``) into the
@@ -21,8 +21,10 @@ passed to the template. Forcing a call ("required", a named function) needs cons
 With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
 (``jdspark.reasoning``).
 
-Penalties (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty`` (vLLM's
-semantics, ``jdspark.sampling.Penalties``), applied to the target's law at every verified position: lossless.
+Penalties and logit controls (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``
+(vLLM's semantics, ``jdspark.sampling.Penalties``), ``logit_bias`` (OpenAI's: {"token id": -100..100}) and
+``min_tokens`` (vLLM's: EOS not drawn, unless ``ignore_eos``, and stop strings not matched before that many tokens;
+``jdspark.speculative.LogitControls``), applied to the target's law at every verified position: lossless.
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.
@@ -98,8 +100,7 @@ def _get(body: dict, name: str, kinds, default, check=None, what: str = ""):
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "suffix": ("",), "prompt_logprobs": (0,), "logit_bias": ({},), "min_tokens": (0,), "functions": ([],),
-    "response_format": ({"type": "text"},),
+    "suffix": ("",), "prompt_logprobs": (0,), "functions": ([],), "response_format": ({"type": "text"},),
 }
 
 
@@ -136,7 +137,8 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``);
     ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools);
     ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not);
-    ``penalties``: whether the server applies repetition / frequency / presence penalties (``--penalties``).
+    ``penalties``: whether the server applies repetition / frequency / presence penalties, logit_bias and
+    min_tokens (``--penalties``).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
@@ -145,6 +147,28 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                       max_logprobs, max_n, tool_parser, reasoning_parser, penalties)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple:
+    """OpenAI's ``logit_bias``: {"token id": value in [-100, 100]} -> ((id, value), ...) sorted by id."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ApiError(400, "'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+    out = {}
+    for k, v in raw.items():
+        try:
+            t = int(k)
+        except ValueError:
+            t = -1
+        if not 0 <= t < vocab_size or str(t) != str(k).strip():
+            raise ApiError(400, f"'logit_bias': key {k!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise ApiError(400, f"'logit_bias': the value for token {t} must be a number in [-100, 100], got "
+                                f"{json.dumps(v)[:40]}", "logit_bias")
+        out[t] = float(v)
+    return tuple(sorted(out.items()))
 
 
 def _logprobs(body: dict, chat: bool, max_logprobs: Optional[int]) -> Optional[int]:
@@ -310,10 +334,14 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         ("repetition_penalty", 1.0, lambda v: math.isfinite(v) and v > 0, "a number > 0 (1: off)"),
         ("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
         ("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"))}
+    logit_bias = _logit_bias(body, vocab_size)
+    min_tokens = _get(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
+                      f"an integer in 0..max_tokens ({max_tokens})")
     asked = [k for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)]
+    asked += ["logit_bias"] * bool(logit_bias) + ["min_tokens"] * bool(min_tokens)
     if asked and not penalties_served:
-        raise ApiError(400, "penalties are off on this server (start it with --penalties)", asked[0],
-                       code="unsupported")
+        raise ApiError(400, f"'{asked[0]}': penalties and logit controls are off on this server (start it with "
+                            "--penalties)", asked[0], code="unsupported")
     n = _get(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
         raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",
@@ -324,7 +352,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                        "best_of")
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
-                         prompt_logprobs=logprobs if echo else None, **penalties)
+                         prompt_logprobs=logprobs if echo else None, logit_bias=logit_bias,
+                         min_tokens=int(min_tokens), **penalties)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started)
 
@@ -380,6 +409,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         # best_of > n: every completion's own log-probabilities rank them (asked or not)
         ranked = q.sampling if q.best_of == q.n or q.sampling.logprobs is not None else dataclasses.replace(
             q.sampling, logprobs=0)
+        if ranked.min_tokens and not q.ignore_eos and engine.eos is not None:  # what min_tokens holds back
+            ranked = dataclasses.replace(ranked, stop_token_ids=(engine.eos,))
         loop = asyncio.get_running_loop()
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
@@ -483,9 +514,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-logprobs", dest="logprobs", action="store_false",
                     help="compile the programs without log-probabilities (a request asking for them is a 400)")
     ap.add_argument("--penalties", action="store_true",
-                    help="compile repetition / frequency / presence penalties into the programs (without it a request "
-                         "asking for them is a 400: compiled in, steps of requests without them cost 3-4%% more at "
-                         "the whole block's width, docs/serving.md)")
+                    help="compile repetition / frequency / presence penalties, logit_bias and min_tokens into the "
+                         "programs (without it a request asking for them is a 400: compiled in, steps of requests "
+                         "without them cost 3-4%% more at the whole block's width, docs/serving.md)")
     ap.add_argument("--max-n", type=int, default=16,
                     help="the most choices a request may ask ('n'): each is a request of its own in the engine")
     ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",

@@ -26,25 +26,27 @@ __all__ = ["insert_row", "step_rows", "HOST_COLUMNS"]
 
 # step_rows' per-row host inputs, in this order, packed into one float32 [b, HOST_COLUMNS] array
 HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs", "repetition_penalty",
-                "frequency_penalty", "presence_penalty")
+                "frequency_penalty", "presence_penalty", "logit_controls")
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs", "penalties"),
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-               penalties_3, media_PD=None, want_prompt=None, *, max_len, chunk=None,
+               penalties_3, media_PD=None, want_prompt=None, controls=None, *, max_len, chunk=None,
                logprobs: Optional[int] = None, penalties: bool = True):
     """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
     ``TokenLogprobs``, the prompt's where ``want_prompt`` says so: ``speculative.prefill_stream``). ``media_PD``:
     the prompt's image features, padded to the prompt bucket (a prompt of P tokens holds at most P placeholders),
     so one program serves every image prompt of a bucket. ``penalties_3``: float32 [3], the request's repetition,
     frequency and presence penalties (``sampling.Penalties``; static ``penalties`` False: not compiled in, the
-    rows carry no counts)."""
+    rows carry no counts), ``controls`` its logit_bias and min_tokens (``speculative.LogitControls``; with
+    ``penalties``, which compiles both in)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
-                                     logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen)
+                                     logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen,
+                                     controls=controls if penalties else None)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
 
@@ -55,9 +57,10 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
               extend_context=True, logprobs: Optional[int] = None, penalties: bool = True):
     """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_bC``: float32 [b,
     len(HOST_COLUMNS)], per row its slot index, top_k, temperature, top_p, draft cap, whether it wants
-    log-probabilities (> 0) and its three penalties, the host's inputs packed into one array (the integers are exact
-    in float32 below 2^24): each array a launch takes from the host is a transfer of its own, ~60 us apiece on the
-    H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is written back, and
+    log-probabilities (> 0), its three penalties and whether it has logit controls (> 0: a logit_bias or min_tokens,
+    which the penalties' batch flag covers too), the host's inputs packed into one array (the integers are exact in
+    float32 below 2^24): each array a launch takes from the host is a transfer of its own, ~60 us apiece on the H200
+    (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is written back, and
     copies compute the same thing. ``all_slots``: the rows are every slot in order, so the state is stepped as it is
     (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a ``lax.scan``): one
     launch, one gather and scatter and one read-back for several steps (multi-step scheduling: the host's round trip
@@ -71,7 +74,8 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
     batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
     want = jnp.any(host_bC[:, 5] > 0) if logprobs is not None else None  # outside the map too: a real branch
     pen_b3 = host_bC[:, 6:9]
-    penalising = Penalties.batch_flag(pen_b3[:, 0], pen_b3[:, 1], pen_b3[:, 2])  # likewise
+    penalising = (Penalties.batch_flag(pen_b3[:, 0], pen_b3[:, 1], pen_b3[:, 2])  # likewise
+                  | jnp.any(host_bC[:, 9] > 0))
 
     def one(st, t, k, p, cap, pen3):
         sp = SamplingParams.rows(t, k, p, batch)

@@ -50,7 +50,7 @@ from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams
 from jdspark.slot_programs import insert_row, step_rows
-from jdspark.speculative import prefill_stream, serving_pair
+from jdspark.speculative import logit_controls, prefill_stream, serving_pair
 from kimi import dispatch
 from kimi.prefill import chunked_positions
 
@@ -127,13 +127,15 @@ class SlotBackend:
                                  f"positions; with a block they exceed max_len ({self.max_len})")
         self.t_graph, self.t_state = split_module(self.target)
         self.d_graph, self.d_state = split_module(self.drafter) if self.drafter is not None else (None, None)
-        # repetition penalties (``sampling.Penalties``): False (the default), not compiled in (the rows carry no
-        # counts): compiled in, a step whose rows do not penalise still paid 3-4% at W = G + 1 (b = 1 and 16,
+        # repetition penalties (``sampling.Penalties``) and the logit controls (logit_bias, min_tokens:
+        # ``speculative.LogitControls``): False (the default), not compiled in (the rows carry no counts): compiled
+        # in, a step whose rows do not penalise still paid 3-4% at W = G + 1 (b = 1 and 16,
         # docs/bench_penalties_default_pair.json), so a server offers them only when started with --penalties
         self.penalties = bool(penalties)
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
-            jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None))
+            jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
+            controls=self._controls(SamplingRequest((1,), 1))))
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
@@ -149,8 +151,8 @@ class SlotBackend:
             raise ValueError(f"max_logprobs: expected None or 0..{self.cfg.vocab_size}, got {max_logprobs}")
         self.max_logprobs = None if max_logprobs is None else int(max_logprobs)
         # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none), repetition,
-        # frequency and presence penalties
-        self.params = np.zeros((self.num_slots, 8), np.float64)
+        # frequency and presence penalties, whether it has logit controls
+        self.params = np.zeros((self.num_slots, 9), np.float64)
         self.free_all_params()
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
@@ -221,19 +223,20 @@ class SlotBackend:
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
-        if pen != (1.0, 0.0, 0.0) and not self.penalties:
-            raise ValueError("repetition / frequency / presence penalties: this backend was built without them "
-                             "(SlotBackend(penalties=True); the server's --penalties)")
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen)
+        if (pen != (1.0, 0.0, 0.0) or req.has_controls) and not self.penalties:
+            raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens: this backend was "
+                             "built without them (SlotBackend(penalties=True); the server's --penalties)")
+        controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         if hit is None:
             first, lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk,
-                                       ptop >= 0, pen)
+                                       ptop >= 0, pen, controls)
         else:
             first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p,
-                                     pen)
+                                     pen, controls)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
@@ -247,42 +250,52 @@ class SlotBackend:
                                                ptop)
         return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
+    def _controls(self, req: SamplingRequest):
+        """The request's ``LogitControls`` where the programs carry them (``penalties``), else None."""
+        if not self.penalties:
+            return None
+        return logit_controls(self.cfg.vocab_size, dict(req.logit_bias), req.min_tokens, req.stop_token_ids,
+                              always=True)
+
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
-                top_p: float, penalties=(1.0, 0.0, 0.0)):
+                top_p: float, penalties=(1.0, 0.0, 0.0), controls=None):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
         (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
         else None)."""
         self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p,
-                                                           penalties), **self._extend_kw())
+                                                           penalties, controls), **self._extend_kw())
         return first, (lp[0] if lp else None)
 
     def _extend_kw(self) -> dict:
         return dict(logprobs=self.max_logprobs, penalties=self.penalties)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
-                     top_p: float, penalties=(1.0, 0.0, 0.0)) -> tuple:
+                     top_p: float, penalties=(1.0, 0.0, 0.0), controls=None) -> tuple:
         """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed),
-                np.float32(temperature), np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32))
+                np.float32(temperature), np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32),
+                self._controls(SamplingRequest((1,), 1)) if controls is None else controls)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                 media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0)):
+                 media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk,
-                                     prompt_logprobs, penalties)
+                                     prompt_logprobs, penalties, controls)
         self.state, first, *lp = insert_row(*args, **kw)
         return first, (lp[0] if lp else None)
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                     media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0)) -> tuple:
+                     media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0),
+                     controls=None) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
         want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
-                 np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32), media_PD, want),
+                 np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32), media_PD, want,
+                 self._controls(SamplingRequest((1,), 1)) if controls is None else controls),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):
@@ -390,7 +403,7 @@ class SlotBackend:
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         host_bC = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:8]]).astype(np.float32)
+                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:9]]).astype(np.float32)
         # (slot_programs.HOST_COLUMNS)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
@@ -448,7 +461,7 @@ class SlotBackend:
         return (0, self.G) if self.drafter is not None else (0,)
 
     def free(self, slot: int) -> None:
-        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0)
+        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0)
 
     def free_all_params(self) -> None:
         """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""

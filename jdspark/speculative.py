@@ -20,7 +20,7 @@ from a copy of its weights laid out for these passes, made once per set of weigh
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +93,28 @@ class Stream:
     # (the anchor included), [V] bool the prompt's tokens
     counts: Optional[jax.Array] = None
     prompt_seen: Optional[jax.Array] = None
+    # with logit controls (``LogitControls``, which need the counts; None without): float32 [V] the logit_bias,
+    # [V] bool the ids not drawn before min_tokens (EOS), int32 min_tokens
+    bias: Optional[jax.Array] = None
+    stop_ids: Optional[jax.Array] = None
+    min_tokens: Optional[jax.Array] = None
+
+
+class LogitControls(NamedTuple):
+    """A request's logit_bias and min_tokens as a stream carries them (``sampling.penalize``'s equations)."""
+    bias_V: jax.Array  # float32 [V]: added to the target's logits
+    stop_V: jax.Array  # bool [V]: the ids (EOS) that get -inf while fewer than min_tokens tokens are out
+    min_tokens: jax.Array  # int32
+
+
+def _with_controls(row: Stream, V: int, controls: Optional[LogitControls]) -> Stream:
+    """``row`` carrying fresh penalty counts, and ``controls`` (None: none)."""
+    row.counts = jnp.zeros((V,), jnp.int32)
+    if controls is not None:
+        row.bias = jnp.asarray(controls.bias_V, jnp.float32)
+        row.stop_ids = jnp.asarray(controls.stop_V, bool)
+        row.min_tokens = jnp.asarray(controls.min_tokens, jnp.int32)
+    return row
 
 
 @jax.tree_util.register_dataclass
@@ -154,7 +176,7 @@ def _penalized(logits_KV, st: Stream, drafts_k, pen: Optional[Penalties]):
     V = logits_KV.shape[-1]
     hot = jnp.zeros((drafts_k.shape[0], V), jnp.int32).at[jnp.arange(drafts_k.shape[0]), drafts_k].set(1)
     counts_KV = st.counts[None] + jnp.concatenate([jnp.zeros((1, V), jnp.int32), jnp.cumsum(hot, axis=0)])
-    return penalize(logits_KV, counts_KV, st.prompt_seen, pen)
+    return penalize(logits_KV, counts_KV, st.prompt_seen, pen, st.bias, st.stop_ids, st.min_tokens)
 
 
 def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
@@ -253,11 +275,12 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None,
-                      penalties=None):
+                      penalties=None, controls=None):
     """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
     graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass),
     penalties (``sampling.Penalties`` or None);
-    traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill).
+    traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill), ``controls``
+    (``LogitControls`` or None).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
@@ -266,7 +289,8 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
-                                cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties)
+                                cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties,
+                                controls=controls)
     return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream, penalties)
 
 
@@ -300,7 +324,8 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
                    chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None,
-                   want_prompt_logprobs=None, penalties: Optional[Penalties] = None):
+                   want_prompt_logprobs=None, penalties: Optional[Penalties] = None,
+                   controls: Optional[LogitControls] = None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
@@ -316,7 +341,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     taken inside the chunk loop (``prefill_chunked``'s ``logits_fn``), so the prompt's [P, V] logits never exist.
 
     ``penalties`` (``sampling.Penalties``; None: the stream carries no counts): the first token is drawn from the
-    penalised logits (the prompt's tokens seen, none generated), and the stream keeps the counts the steps read."""
+    penalised logits (the prompt's tokens seen, none generated), and the stream keeps the counts the steps read;
+    ``controls`` (``LogitControls``, with ``penalties``; None: none) the request's logit_bias and min_tokens."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
@@ -358,7 +384,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     row = Stream(None, cache, dcache, key)
     if penalties is not None:
         V = last_logits.shape[-1]
-        row.counts, row.prompt_seen = jnp.zeros((V,), jnp.int32), _seen(prompt_1P, prompt_len, V)
+        row = _with_controls(row, V, controls)
+        row.prompt_seen = _seen(prompt_1P, prompt_len, V)
     first = sample(k0, _penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
     row = _first(row, first)
     if logprobs is not None:
@@ -373,7 +400,8 @@ def _first(row: Stream, first_1) -> Stream:
 
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
-                  logprobs: Optional[int] = None, penalties: Optional[Penalties] = None):
+                  logprobs: Optional[int] = None, penalties: Optional[Penalties] = None,
+                  controls: Optional[LogitControls] = None):
     """Prefill ``ext_len`` more prompt tokens (right-padded [1, E]) on top of a stream whose caches already hold a
     prefix of the prompt (a prefix-cache hit: ``jdspark.prefix``): (Stream, first token [1]), as ``prefill_stream``
     of the whole prompt would give up to float reassociation (one chunk of E on the cached state, the chunked
@@ -384,7 +412,8 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
                                                                             KDA and conv continue their state
         the drafter's context gets the extension's taps at positions n .. n + ext_len - 1 (n = the prefix's length)
     The cache must hold n + E positions (the caller checks). ``logprobs``: as ``prefill_stream``'s (the prompt's
-    None: the kept tokens' logits are not computed again)."""
+    None: the kept tokens' logits are not computed again); ``penalties`` / ``controls``: as ``prefill_stream``'s
+    (the request's own controls, not the kept prompt's)."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     E = ext_1E.shape[1]
     base_1 = row.cache.length
@@ -399,7 +428,7 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     k0, key = rng.split(key)
     new = Stream(None, cache, dcache, key)
     if penalties is not None:  # the kept prompt's tokens and the extension's are the prompt; nothing generated
-        new.counts = jnp.zeros_like(row.counts)
+        new = _with_controls(new, row.counts.shape[0], controls)
         new.prompt_seen = row.prompt_seen | _seen(ext_1E, ext_len, row.prompt_seen.shape[0])
     first = sample(k0, _penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
     new = _first(new, first)
@@ -434,7 +463,7 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: O
     one = jnp.int32(1)
     lp = None if logprobs is None else when(want_logprobs, logits_1V, nxt, logprobs)
     counts = _recounted(st, nxt, 1, penalties)
-    return (Stream(nxt, res.cache, dcache, key, counts, st.prompt_seen),
+    return (dataclasses.replace(st, anchor=nxt, cache=res.cache, dcache=dcache, key=key, counts=counts),
             StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp))
 
 
@@ -479,18 +508,19 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
     lp = None if logprobs is None else when(want_logprobs, ver.logits[0], new, logprobs)
     counts = _recounted(st, new, m + 1, penalties)
-    return (Stream(nxt[None], cache, dcache, key, counts, st.prompt_seen),
+    return (dataclasses.replace(st, anchor=nxt[None], cache=cache, dcache=dcache, key=key, counts=counts),
             StepOut(new, m + 1, n_verify, m, survival, lp))
 
 
-_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12, 14))  # eos_id traced
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12, 14))  # eos_id, controls traced
 
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, eos_token_id: Optional[int] = None, confidence_threshold: float = 0.0,
              prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
              max_len: Optional[int] = None, images=None, repetition_penalty: float = 1.0,
-             frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> GenerateOutput:
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Optional[dict] = None,
+             min_tokens: int = 0) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
@@ -505,7 +535,9 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     request that needs more is a ValueError naming it.
 
     ``repetition_penalty`` / ``frequency_penalty`` / ``presence_penalty``: ``sampling.Penalties`` (vLLM's
-    semantics), applied at every position the step verifies; all off (the defaults): not compiled in."""
+    semantics), applied at every position the step verifies; all off (the defaults): not compiled in.
+    ``logit_bias`` ({token id: value}, OpenAI's) and ``min_tokens`` (EOS not drawn before that many tokens,
+    vLLM's): the logit controls (``sampling.penalize``), likewise at every verified position."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -522,7 +554,9 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     if not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty: expected > 0 (1: off), got {repetition_penalty}")
     pen = Penalties(float(repetition_penalty), float(frequency_penalty), float(presence_penalty))
-    pen = None if pen.off else pen
+    controls = logit_controls(cfg.vocab_size, logit_bias, min_tokens, stop_ids=(
+        cfg.eos_token_id if eos_token_id is None else int(eos_token_id),))
+    pen = None if pen.off and controls is None else pen
     if drafter is not None:
         check_target(drafter.config, target)
     eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
@@ -546,9 +580,32 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
                                       float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
-                                      jax.random.key(seed), stream, chunk, media, pen)
+                                      jax.random.key(seed), stream, chunk, media, pen, controls)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
+
+
+def logit_controls(vocab_size: int, logit_bias: Optional[dict], min_tokens: int, stop_ids=(),
+                   always: bool = False) -> Optional[LogitControls]:
+    """A request's ``LogitControls`` as host arrays (None where it asks for none, unless ``always``): ``logit_bias``
+    {token id: value} (ids in the vocabulary, finite values), ``min_tokens`` >= 0 holding back ``stop_ids`` (EOS;
+    ids outside the vocabulary, such as -1 for none, are dropped). A bad value is a ValueError naming it."""
+    bias = np.zeros((vocab_size,), np.float32)
+    for t, v in (logit_bias or {}).items():
+        if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab_size:
+            raise ValueError(f"logit_bias: token ids must be ints in [0, {vocab_size}), got {t!r}")
+        if not np.isfinite(v):
+            raise ValueError(f"logit_bias: values must be finite numbers, got {v!r} for token {t}")
+        bias[int(t)] = v
+    if not isinstance(min_tokens, (int, np.integer)) or min_tokens < 0:
+        raise ValueError(f"min_tokens: expected an int >= 0, got {min_tokens!r}")
+    if not (always or logit_bias or min_tokens):
+        return None
+    stop = np.zeros((vocab_size,), bool)
+    for t in stop_ids:
+        if 0 <= int(t) < vocab_size:
+            stop[int(t)] = True
+    return LogitControls(bias, stop, np.int32(min_tokens))
 
 
 def compiled_programs() -> int:

@@ -1,4 +1,4 @@
-"""What serving log-probabilities (or repetition penalties) costs a step, per batch bucket and verify width (JSON).
+"""What serving log-probabilities (or penalties and logit controls) costs a step, per batch and verify width (JSON).
 
   python scripts/bench_logprobs.py --json                       # the shipped pair, batches 1 and 16, W = 1 and G + 1
   python scripts/bench_logprobs.py --feature penalties --json   # the same arms for penalties
@@ -15,9 +15,9 @@ prompt, steps launched back to back as the engine pipelines them (ms per step), 
               the host's entries, ``SlotBackend.collect``)
 
 ``--feature penalties``: off = ``penalties=False`` (the default), unasked = compiled in (``--penalties``) with
-no row penalised (the ``lax.cond`` skips the penalised logits; each row's counts are still updated), asked = every
-row with repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``); log-probabilities off in
-every arm.
+no row penalised (the ``lax.cond`` skips the penalised logits and the counts' update), asked = every row with
+repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``), a logit_bias on two tokens and
+min_tokens 2 (``jdspark.speculative.LogitControls``); log-probabilities off in every arm.
 
 The arms' rounds interleave (each round times every arm, the order rotating) and each ratio is the median of the
 rounds' ratios taken side by side (this machine's speed drifts by more than the effect within a minute). W = 1
@@ -40,7 +40,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 ARMS = ("off", "unasked", "asked")
-ASKED_PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
+ASKED_PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
+                       logit_bias=((5, 0.5), (9, -1.0)), min_tokens=2)
 # per feature: the backend's keyword arguments (compiled in or not), and what a request asking for it sets
 FEATURES = {
     "logprobs": (lambda on, top: dict(max_logprobs=top if on else None),

@@ -88,13 +88,21 @@ def pearson_pvalue(counts, probs, min_expected: float = 5.0) -> float:
 
 
 def penalize(logits, counts, prompt_mask, repetition: float = 1.0, frequency: float = 0.0,
-             presence: float = 0.0) -> np.ndarray:
+             presence: float = 0.0, logit_bias=None, stop_ids=(), min_tokens: int = 0) -> np.ndarray:
     """Repetition penalties from their definition (vLLM's, float64), on logits [..., V] with ``counts`` [..., V]
     (times each token was generated before) and ``prompt_mask`` [V] (the prompt's tokens): a token seen in either
     has a positive logit divided by ``repetition`` and a negative one multiplied; then ``frequency`` times its count
-    and ``presence`` if it was generated at all are subtracted."""
+    and ``presence`` if it was generated at all are subtracted. Then OpenAI's ``logit_bias`` ({id: value}) is added,
+    and vLLM's ``min_tokens``: ``stop_ids`` can not be drawn (-inf) while fewer than ``min_tokens`` tokens were
+    generated before (the counts' sum)."""
     z = np.array(logits, np.float64)
     c = np.asarray(counts, np.float64)
     seen = np.asarray(prompt_mask, bool) | (c > 0)
     z = np.where(seen, np.where(z > 0, z / repetition, z * repetition), z)
-    return z - frequency * c - presence * (c > 0)
+    z = z - frequency * c - presence * (c > 0)
+    for t, v in (logit_bias or {}).items():
+        z[..., t] += v
+    early = c.sum(-1) < min_tokens
+    for t in stop_ids:
+        z[..., t] = np.where(early, -np.inf, z[..., t])
+    return z

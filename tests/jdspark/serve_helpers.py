@@ -34,6 +34,7 @@ class ScriptedBackend:
         self.gate = threading.Event()
         self.gate.set()
         self.inserted, self.freed = [], []
+        self.requests = []  # every SamplingRequest inserted, in order
         # a cost table as an adaptive SlotBackend keeps one (the engine exposes it as jdspark:step_cost_seconds)
         self.costs = {(b, w): 0.001 * b + 0.0005 * w for b in (1, num_slots) for w in (1, tokens_per_step + 2)}
 
@@ -42,6 +43,7 @@ class ScriptedBackend:
         if req.prompt_ids[-1] == ord("~"):  # a prompt the device side refuses (as SlotBackend a too-long one)
             raise ValueError("prompt refused by the backend")
         self.inserted.append(slot)
+        self.requests.append(req)
         self.last[slot] = (req.prompt_ids[-1] + 1 + req.seed) % 256
         said = bytes(t for t in req.prompt_ids if t < 256)
         for marker, ids in self.replies.items():

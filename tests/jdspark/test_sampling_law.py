@@ -29,7 +29,8 @@ _OPTIMISED = {"xla_backend_optimization_level": 2}
 T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at least 2 full steps), draws, per check
 
 
-def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int, penalties=None):
+def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int, penalties=None,
+            controls=None):
     """n independent generations of T_LAW tokens, vmapped over the key: (tokens [n, T_LAW], GenStats of [n])."""
     served_t, served_d = speculative.serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
@@ -39,7 +40,7 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
     def one(k):
         out, _, st = speculative._generate_program(t_graph, d_graph, T_LAW, sp, -1, threshold, t_state, d_state,
                                                    padded, jnp.int32(len(prompt)), k, None, None, None,
-                                                   penalties)
+                                                   penalties, controls)
         return out[:T_LAW], st
 
     run = jax.jit(jax.vmap(one), compiler_options=_OPTIMISED)
@@ -47,10 +48,11 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
     return np.asarray(toks), jax.device_get(st)
 
 
-def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None) -> np.ndarray:
+def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None, **controls) -> np.ndarray:
     """p_t(. | prompt, draws[:, :t]) for every draw and position t, by the NumPy reference applied to the target's
     teacher-forced logits (one prefill over all draws): [n, T_LAW, V]; with ``penalties`` (a ``Penalties``) the
-    logits penalised first (``sampling_ref.penalize``: each draw's tokens before t counted, the prompt's seen)."""
+    logits penalised first (``sampling_ref.penalize``: each draw's tokens before t counted, the prompt's seen;
+    ``controls`` its logit_bias / stop_ids / min_tokens)."""
     P = len(prompt)
     seqs = np.concatenate([np.broadcast_to(np.asarray(prompt, np.int32), (len(draws), P)), draws], 1)
     graph, state = nnx.split(target)
@@ -66,7 +68,7 @@ def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None) 
         hot = np.eye(V, dtype=np.int64)[draws]  # [n, T, V]
         before = np.cumsum(hot, axis=1) - hot
         logits = sampling_ref.penalize(logits, before, np.isin(np.arange(V), prompt), penalties.repetition,
-                                       penalties.frequency, penalties.presence)
+                                       penalties.frequency, penalties.presence, **controls)
     return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p)
 
 
@@ -108,8 +110,12 @@ def law_pair():
     return target, drafter
 
 
+# the second case's penalties, logit_bias, and min_tokens holding EOS (id 2) back for the first 6 tokens
+PEN_CASE = dict(pen=(1.6, 0.4, 0.3), logit_bias={6: 1.5, 7: -2.0, 2: 1.0}, min_tokens=6)
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p,threshold,pen", [(1.0, 0, 0.8, 0.0, None),
-                                                                    (0.8, 4, 1.0, 0.3, (1.6, 0.4, 0.3))])
+                                                                    (0.8, 4, 1.0, 0.3, PEN_CASE)])
 def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, top_p, threshold, pen):
     """DSpark sampling (rejection rule, residual resampling, bonus, commit, a second and third step after a
     sampled commit, and under a confidence threshold) draws every token from the target's processed law given
@@ -118,15 +124,21 @@ def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, t
     a correct sampler fails this test with probability <= 22 * ALPHA = 2.2e-3.
 
     The second case also applies repetition / frequency / presence penalties (``sampling.Penalties``), which move
-    the law at every position with the tokens before it (drafts included at every verified position): its law is
+    the law at every position with the tokens before it (drafts included at every verified position), a
+    logit_bias, and min_tokens (EOS impossible before the sixth token, inside the second step's block): its law is
     ``sampling_ref.penalize`` then ``process`` (in one case, not a test of their own: each law test is a compile
     and 3000 generations of CI time)."""
     target, drafter = law_pair
     sp = SamplingParams(temperature, top_k, top_p)
-    pen = None if pen is None else Penalties(*pen)
+    controls, ref_controls = None, {}
+    if pen is not None:
+        V, eos = target.config.vocab_size, target.config.eos_token_id
+        controls = speculative.logit_controls(V, pen["logit_bias"], pen["min_tokens"], (eos,))
+        ref_controls = dict(logit_bias=pen["logit_bias"], stop_ids=(eos,), min_tokens=pen["min_tokens"])
+        pen = Penalties(*pen["pen"])
     prompt = [3, 5, 4]
     draws, st = _sample(target, drafter, prompt, sp, threshold, N_LAW, seed=int(10 * temperature) + top_k,
-                        penalties=pen)
+                        penalties=pen, controls=controls)
     total = types.SimpleNamespace(target_steps=np.sum(st.target_steps), accept_counts=np.sum(st.accept_counts, 0))
     hist = histogram(total, 4)  # (linear in the counts: the sum of the draws' histograms)
     print(f"acceptance histogram T={temperature} k={top_k} p={top_p} threshold={threshold} penalties={pen} "
@@ -135,9 +147,11 @@ def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, t
     assert np.asarray(st.target_steps).min() >= 2
     if threshold > 0:  # verification really truncated, to every length
         assert (np.asarray(st.drafted) < 4 * np.asarray(st.target_steps)).mean() > 0.5
-    law = _conditional_law(target, prompt, draws, sp, pen)
+    law = _conditional_law(target, prompt, draws, sp, pen, **ref_controls)
     if pen is not None:
         assert np.abs(law - _conditional_law(target, prompt, draws, sp)).max() > 0.1  # the penalties move it
+        eos_t = (draws == 2).mean(0)
+        assert eos_t[:6].max() == 0 and eos_t[6:].max() > 0.01, eos_t  # EOS held back, then drawn
     pv = _position_pvalues(draws, law)
     bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
     assert not bad, f"positions failing (token, rank) p-values: {bad}"

@@ -70,6 +70,19 @@ def test_token_id_prompt_stop_string_and_model_name(srv):
     assert r["choices"][0]["text"] == "bcde" and r["choices"][0]["finish_reason"] == "stop"
 
 
+def test_min_tokens_holds_stop_strings_back(srv):
+    """vLLM's min_tokens: a stop string is matched only once the output has that many tokens (the scripted answer
+    to [256, 97] is b, c, d, ...: "fgh" ends at its 7th token)."""
+    body = {"prompt": [256, 97], "max_tokens": 20, "stop": ["fgh"]}
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "min_tokens": 7}).json()["choices"][0]
+    assert (r["text"], r["finish_reason"]) == ("bcde", "stop")
+    r = httpx.post(srv.url + "/v1/completions", json={**body, "min_tokens": 8}).json()["choices"][0]
+    assert (r["text"], r["finish_reason"]) == ("bcdefghijklmnopqrstu", "length")
+    assert srv.backend.requests[-1].stop_token_ids == (srv.tok.eos_id,)  # what the device holds back: EOS
+    httpx.post(srv.url + "/v1/completions", json={**body, "min_tokens": 8, "ignore_eos": True})
+    assert srv.backend.requests[-1].stop_token_ids == ()  # an EOS that ends nothing is not held back (vLLM)
+
+
 def test_streaming_sse_with_usage(srv):
     with httpx.stream("POST", srv.url + "/v1/completions",
                       json={"prompt": "A", "max_tokens": 12, "stream": True,
@@ -133,8 +146,12 @@ BAD = [
      400),
     ({"prompt": "x", "repetition_penalty": 0}, "'repetition_penalty' must be a number > 0", "repetition_penalty",
      400),
-    ({"prompt": "x", "min_tokens": 3}, "'min_tokens' = 3 is not supported", "min_tokens", 400),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "'logit_bias'", "logit_bias", 400),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "'min_tokens' must be an integer in 0..max_tokens (2)",
+     "min_tokens", 400),
+    ({"prompt": "x", "logit_bias": [5, 10]}, "'logit_bias' must be an object", "logit_bias", 400),
+    ({"prompt": "x", "logit_bias": {"five": 10}}, "key 'five' is not a token id in [0, 384)", "logit_bias", 400),
+    ({"prompt": "x", "logit_bias": {"384": 1}}, "key '384' is not a token id", "logit_bias", 400),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "must be a number in [-100, 100], got 101", "logit_bias", 400),
 ]
 
 
