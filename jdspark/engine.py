@@ -10,7 +10,8 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
         gets no row in step t + 1 (``Engine._plan_launch``), one that ends otherwise has a row there whose tokens
         are dropped; such a backend's ``steps_for(n)`` says how many steps one launch may run for n active slots,
         used while no request waits, and ``collect`` gives each slot its steps' outputs in order)
-    ends a request on EOS (unless ``ignore_eos``), a stop string, ``max_tokens`` or cancellation, frees its slot,
+    ends a request on EOS (unless ``ignore_eos``), one of its ``stop_token_ids`` (its id kept, its text not shown,
+    as EOS), a stop string (none matched before ``min_tokens``), ``max_tokens`` or cancellation, frees its slot,
     and hands each request its events (text deltas decoded incrementally, never a broken character);
     hands a backend with ``keep_answer`` each finished request's answer as its client saw it (not after a stop
     string's cut; without an EOS that ended it), and runs its ``idle_step`` while no request runs or waits (from
@@ -66,7 +67,8 @@ class SamplingRequest:
     presence_penalty: float = 0.0
     logit_bias: tuple = ()  # ((token id, value), ...): OpenAI's logit_bias (``speculative.LogitControls``)
     min_tokens: int = 0  # vLLM's: ``stop_token_ids`` not drawn, and stop strings not matched, before this many tokens
-    stop_token_ids: tuple = ()  # the ids min_tokens holds back (EOS, unless the request ignores it)
+    stop_token_ids: tuple = ()  # ids that end the request as EOS does (vLLM's; the server adds EOS unless the
+    # request ignores it), which min_tokens holds back
 
     @property
     def has_controls(self) -> bool:
@@ -364,7 +366,8 @@ class Engine:
                 take.append(int(t))
                 if out.logprobs is not None:
                     lps.append(out.logprobs[j])
-                if not req.ignore_eos and self.eos is not None and int(t) == self.eos:
+                if ((not req.ignore_eos and self.eos is not None and int(t) == self.eos)
+                        or int(t) in req.sampling.stop_token_ids):
                     reason, eos = "stop", True
                     break
                 if len(req.output_ids) + len(take) >= req.sampling.max_tokens:
@@ -381,8 +384,9 @@ class Engine:
             req.drafted += sum(o.drafted for o in used)
             req.accepted += sum(o.accepted for o in used)
         cut = -1
+        shown = take[:-1] if eos else take  # EOS / a stop token id ends the request without text (vLLM)
         if req.stop:  # token by token: the tokens after the one that completes a stop string were never the
-            for i, t in enumerate(take):  # request's (usage counts what the client got)
+            for i, t in enumerate(shown):  # request's (usage counts what the client got)
                 req.text += req.decoder.add([t])
                 if len(req.output_ids) + i + 1 < req.sampling.min_tokens:  # vLLM: no stop before min_tokens
                     req.stop_floor = len(req.text)
@@ -392,7 +396,7 @@ class Engine:
                     take = take[:i + 1]
                     break
         else:
-            req.text += req.decoder.add(take)
+            req.text += req.decoder.add(shown)
         if reason is not None and cut < 0:
             req.text += req.decoder.flush()
             cut = _stop_at(req)

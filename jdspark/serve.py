@@ -335,6 +335,9 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         ("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
         ("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"))}
     logit_bias = _logit_bias(body, vocab_size)
+    stop_ids = _get(body, "stop_token_ids", (list,), [], lambda v: all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in v),
+        f"a list of token ids in [0, {vocab_size})")
     min_tokens = _get(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
                       f"an integer in 0..max_tokens ({max_tokens})")
     asked = [k for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)]
@@ -353,7 +356,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None, logit_bias=logit_bias,
-                         min_tokens=int(min_tokens), **penalties)
+                         min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), **penalties)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started)
 
@@ -409,8 +412,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         # best_of > n: every completion's own log-probabilities rank them (asked or not)
         ranked = q.sampling if q.best_of == q.n or q.sampling.logprobs is not None else dataclasses.replace(
             q.sampling, logprobs=0)
-        if ranked.min_tokens and not q.ignore_eos and engine.eos is not None:  # what min_tokens holds back
-            ranked = dataclasses.replace(ranked, stop_token_ids=(engine.eos,))
+        if not q.ignore_eos and engine.eos is not None and engine.eos not in ranked.stop_token_ids:
+            ranked = dataclasses.replace(ranked, stop_token_ids=ranked.stop_token_ids + (engine.eos,))  # min_tokens
         loop = asyncio.get_running_loop()
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)

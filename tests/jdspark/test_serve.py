@@ -83,6 +83,22 @@ def test_min_tokens_holds_stop_strings_back(srv):
     assert srv.backend.requests[-1].stop_token_ids == ()  # an EOS that ends nothing is not held back (vLLM)
 
 
+def test_stop_token_ids_end_a_request_as_eos_does(srv):
+    """vLLM's stop_token_ids: the answer ends at the first of them ("stop"), the id counted and its text not shown."""
+    for stream in (False, True):
+        body = {"prompt": [256, 97], "max_tokens": 20, "stop_token_ids": [ord("e"), 300], "stream": stream,
+                "stream_options": {"include_usage": True}}
+        if stream:
+            chunks = _sse_chunks(srv, "/v1/completions", body)
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+            usage = chunks[-1]["usage"]
+        else:
+            r = httpx.post(srv.url + "/v1/completions", json=body).json()
+            text, reason, usage = r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]
+        assert (text, reason, usage["completion_tokens"]) == ("bcd", "stop", 4), stream
+
+
 def test_streaming_sse_with_usage(srv):
     with httpx.stream("POST", srv.url + "/v1/completions",
                       json={"prompt": "A", "max_tokens": 12, "stream": True,
@@ -148,6 +164,8 @@ BAD = [
      400),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "'min_tokens' must be an integer in 0..max_tokens (2)",
      "min_tokens", 400),
+    ({"prompt": "x", "stop_token_ids": [5, 384]}, "'stop_token_ids' must be a list of token ids in [0, 384)",
+     "stop_token_ids", 400),
     ({"prompt": "x", "logit_bias": [5, 10]}, "'logit_bias' must be an object", "logit_bias", 400),
     ({"prompt": "x", "logit_bias": {"five": 10}}, "key 'five' is not a token id in [0, 384)", "logit_bias", 400),
     ({"prompt": "x", "logit_bias": {"384": 1}}, "key '384' is not a token id", "logit_bias", 400),
