@@ -65,7 +65,7 @@ class SamplingRequest:
     repetition_penalty: float = 1.0  # ``jdspark.sampling.Penalties`` (1, 0, 0: off)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: tuple = ()  # ((token id, value), ...): OpenAI's logit_bias (``speculative.LogitControls``)
+    logit_bias: tuple = ()  # ((token id, value), ...): OpenAI's logit_bias (``sampling.LogitControls``)
     min_tokens: int = 0  # vLLM's: ``stop_token_ids`` not drawn, and stop strings not matched, before this many tokens
     stop_token_ids: tuple = ()  # ids that end the request as EOS does (vLLM's; the server adds EOS unless the
     # request ignores it), which min_tokens holds back

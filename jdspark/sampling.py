@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdspark import rng
 from kimi import dispatch
@@ -155,6 +157,36 @@ def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties, bias_V=None, stop_V
         return z
 
     return _when(None if pen.is_static else pen.any, apply, z)
+
+
+class LogitControls(NamedTuple):
+    """A request's logit_bias and min_tokens as a stream carries them (``sampling.penalize``'s equations)."""
+    bias_V: jax.Array  # float32 [V]: added to the target's logits
+    stop_V: jax.Array  # bool [V]: the ids (EOS) that get -inf while fewer than min_tokens tokens are out
+    min_tokens: jax.Array  # int32
+
+
+def logit_controls(vocab_size: int, logit_bias: Optional[dict], min_tokens: int, stop_ids=(),
+                   always: bool = False) -> Optional[LogitControls]:
+    """A request's ``LogitControls`` as host arrays (None where it asks for none, unless ``always``): ``logit_bias``
+    {token id: value} (ids in the vocabulary, finite values), ``min_tokens`` >= 0 holding back ``stop_ids`` (EOS;
+    ids outside the vocabulary, such as -1 for none, are dropped). A bad value is a ValueError naming it."""
+    bias = np.zeros((vocab_size,), np.float32)
+    for t, v in (logit_bias or {}).items():
+        if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab_size:
+            raise ValueError(f"logit_bias: token ids must be ints in [0, {vocab_size}), got {t!r}")
+        if not np.isfinite(v):
+            raise ValueError(f"logit_bias: values must be finite numbers, got {v!r} for token {t}")
+        bias[int(t)] = v
+    if not isinstance(min_tokens, (int, np.integer)) or min_tokens < 0:
+        raise ValueError(f"min_tokens: expected an int >= 0, got {min_tokens!r}")
+    if not (always or logit_bias or min_tokens):
+        return None
+    stop = np.zeros((vocab_size,), bool)
+    for t in stop_ids:
+        if 0 <= int(t) < vocab_size:
+            stop[int(t)] = True
+    return LogitControls(bias, stop, np.int32(min_tokens))
 
 
 def unless_greedy(sp: SamplingParams, sampled, greedy):

@@ -24,7 +24,7 @@ With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its 
 Penalties and logit controls (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``
 (vLLM's semantics, ``jdspark.sampling.Penalties``), ``logit_bias`` (OpenAI's: {"token id": -100..100}) and
 ``min_tokens`` (vLLM's: EOS not drawn, unless ``ignore_eos``, and stop strings not matched before that many tokens;
-``jdspark.speculative.LogitControls``), applied to the target's law at every verified position: lossless.
+``jdspark.sampling.LogitControls``), applied to the target's law at every verified position: lossless.
 
 ``n`` (at most ``--max-n``): n choices of one prompt, each its own engine request, choice i sampled with seed
 ``seed + i`` (token for token what a request with that seed alone gets where the verify widths are the same, e.g.

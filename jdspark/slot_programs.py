@@ -39,7 +39,7 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     the prompt's image features, padded to the prompt bucket (a prompt of P tokens holds at most P placeholders),
     so one program serves every image prompt of a bucket. ``penalties_3``: float32 [3], the request's repetition,
     frequency and presence penalties (``sampling.Penalties``; static ``penalties`` False: not compiled in, the
-    rows carry no counts), ``controls`` its logit_bias and min_tokens (``speculative.LogitControls``; with
+    rows carry no counts), ``controls`` its logit_bias and min_tokens (``sampling.LogitControls``; with
     ``penalties``, which compiles both in)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p)

@@ -48,9 +48,9 @@ from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.graphs import check_map_budget, memory_maps, split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
-from jdspark.sampling import Penalties, SamplingParams
+from jdspark.sampling import Penalties, SamplingParams, logit_controls
 from jdspark.slot_programs import insert_row, step_rows
-from jdspark.speculative import logit_controls, prefill_stream, serving_pair
+from jdspark.speculative import prefill_stream, serving_pair
 from kimi import dispatch
 from kimi.prefill import chunked_positions
 
@@ -128,7 +128,7 @@ class SlotBackend:
         self.t_graph, self.t_state = split_module(self.target)
         self.d_graph, self.d_state = split_module(self.drafter) if self.drafter is not None else (None, None)
         # repetition penalties (``sampling.Penalties``) and the logit controls (logit_bias, min_tokens:
-        # ``speculative.LogitControls``): False (the default), not compiled in (the rows carry no counts): compiled
+        # ``sampling.LogitControls``): False (the default), not compiled in (the rows carry no counts): compiled
         # in, a step whose rows do not penalise still paid 3-4% at W = G + 1 (b = 1 and 16,
         # docs/bench_penalties_default_pair.json), so a server offers them only when started with --penalties
         self.penalties = bool(penalties)

@@ -20,7 +20,7 @@ from a copy of its weights laid out for these passes, made once per set of weigh
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,17 @@ from jdspark import rng
 from jdspark.drafter import check_target
 from jdspark.drafter import with_serving_layout as drafter_serving_layout
 from jdspark.logprobs import TokenLogprobs, token_logprobs, when
-from jdspark.sampling import Penalties, SamplingParams, accept, penalize, propose, sample, unless_greedy
+from jdspark.sampling import (
+    LogitControls,
+    Penalties,
+    SamplingParams,
+    accept,
+    logit_controls,
+    penalize,
+    propose,
+    sample,
+    unless_greedy,
+)
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
 from kimi.model import check_token_ids, with_serving_layout
@@ -98,13 +108,6 @@ class Stream:
     bias: Optional[jax.Array] = None
     stop_ids: Optional[jax.Array] = None
     min_tokens: Optional[jax.Array] = None
-
-
-class LogitControls(NamedTuple):
-    """A request's logit_bias and min_tokens as a stream carries them (``sampling.penalize``'s equations)."""
-    bias_V: jax.Array  # float32 [V]: added to the target's logits
-    stop_V: jax.Array  # bool [V]: the ids (EOS) that get -inf while fewer than min_tokens tokens are out
-    min_tokens: jax.Array  # int32
 
 
 def _with_controls(row: Stream, V: int, controls: Optional[LogitControls]) -> Stream:
@@ -583,29 +586,6 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
                                       jax.random.key(seed), stream, chunk, media, pen, controls)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
-
-
-def logit_controls(vocab_size: int, logit_bias: Optional[dict], min_tokens: int, stop_ids=(),
-                   always: bool = False) -> Optional[LogitControls]:
-    """A request's ``LogitControls`` as host arrays (None where it asks for none, unless ``always``): ``logit_bias``
-    {token id: value} (ids in the vocabulary, finite values), ``min_tokens`` >= 0 holding back ``stop_ids`` (EOS;
-    ids outside the vocabulary, such as -1 for none, are dropped). A bad value is a ValueError naming it."""
-    bias = np.zeros((vocab_size,), np.float32)
-    for t, v in (logit_bias or {}).items():
-        if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab_size:
-            raise ValueError(f"logit_bias: token ids must be ints in [0, {vocab_size}), got {t!r}")
-        if not np.isfinite(v):
-            raise ValueError(f"logit_bias: values must be finite numbers, got {v!r} for token {t}")
-        bias[int(t)] = v
-    if not isinstance(min_tokens, (int, np.integer)) or min_tokens < 0:
-        raise ValueError(f"min_tokens: expected an int >= 0, got {min_tokens!r}")
-    if not (always or logit_bias or min_tokens):
-        return None
-    stop = np.zeros((vocab_size,), bool)
-    for t in stop_ids:
-        if 0 <= int(t) < vocab_size:
-            stop[int(t)] = True
-    return LogitControls(bias, stop, np.int32(min_tokens))
 
 
 def compiled_programs() -> int:

@@ -17,7 +17,7 @@ prompt, steps launched back to back as the engine pipelines them (ms per step), 
 ``--feature penalties``: off = ``penalties=False`` (the default), unasked = compiled in (``--penalties``) with
 no row penalised (the ``lax.cond`` skips the penalised logits and the counts' update), asked = every row with
 repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``), a logit_bias on two tokens and
-min_tokens 2 (``jdspark.speculative.LogitControls``); log-probabilities off in every arm.
+min_tokens 2 (``jdspark.sampling.LogitControls``); log-probabilities off in every arm.
 
 The arms' rounds interleave (each round times every arm, the order rotating) and each ratio is the median of the
 rounds' ratios taken side by side (this machine's speed drifts by more than the effect within a minute). W = 1

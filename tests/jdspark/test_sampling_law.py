@@ -17,7 +17,7 @@ import kimi
 from jdspark import speculative
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import SamplingRequest
-from jdspark.sampling import Penalties, SamplingParams
+from jdspark.sampling import Penalties, SamplingParams, logit_controls
 from jdspark.slots import SlotBackend
 from tests.jdspark import sampling_ref
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
@@ -133,7 +133,7 @@ def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, t
     controls, ref_controls = None, {}
     if pen is not None:
         V, eos = target.config.vocab_size, target.config.eos_token_id
-        controls = speculative.logit_controls(V, pen["logit_bias"], pen["min_tokens"], (eos,))
+        controls = logit_controls(V, pen["logit_bias"], pen["min_tokens"], (eos,))
         ref_controls = dict(logit_bias=pen["logit_bias"], stop_ids=(eos,), min_tokens=pen["min_tokens"])
         pen = Penalties(*pen["pen"])
     prompt = [3, 5, 4]
