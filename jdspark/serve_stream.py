@@ -120,7 +120,7 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
               include_usage: bool, tokenizer, echo: Optional[str] = None, tools: bool = False,
               thinking: Optional[bool] = None):
     """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice.
-    ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls sent at its end);
+    ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls streamed as deltas);
     ``thinking`` (not None: the prompt opened a think block or not), first through a ``jdspark.reasoning.Splitter``
     (its reasoning sent as ``delta.reasoning_content``, the answer on to the tool splitter)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -159,9 +159,10 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
             echoed[i] = True
             out.append(chunk(i, echo, None, ids=list(reqs[i].sampling.prompt_ids), entries=ev.prompt_logprobs))
         thought, text = ("", ev.text) if thinkers is None else thinkers[i].feed(ev.text)
-        text = text if splitters is None else splitters[i].feed(text)
+        text, calls = (text, []) if splitters is None else splitters[i].feed(text)
         if thought or text or (ev.logprobs and ev.token_ids):  # held-back text's tokens still bring logprobs
             out.append(chunk(i, text, None, ev=ev, thought=thought))
+        out.extend(chunk(i, None, None, calls=[c]) for c in calls)  # a call's deltas as they come
         if ev.error is not None:
             body = {"error": {"message": ev.error, "type": "invalid_request_error", "param": "prompt", "code": None}}
             out.append(f"data: {json.dumps(body)}\n\n")
@@ -170,16 +171,16 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
         finish = ev.finish_reason
         if thinkers is not None:
             thought, rest = thinkers[i].finish()
-            rest = rest if splitters is None else splitters[i].feed(rest)
+            rest, calls = (rest, []) if splitters is None else splitters[i].feed(rest)
             if thought or rest:
                 out.append(chunk(i, rest, None, thought=thought))
+            out.extend(chunk(i, None, None, calls=[c]) for c in calls)
         if splitters is not None:
-            rest, calls = splitters[i].finish()
+            rest, calls, called = splitters[i].finish()
             if rest:
                 out.append(chunk(i, rest, None))
-            for k, call in enumerate(calls):  # each call whole, in a delta of its own
-                out.append(chunk(i, None, None, calls=[call.as_api(index=k)]))
-            finish = "tool_calls" if calls else finish
+            out.extend(chunk(i, None, None, calls=[c]) for c in calls)
+            finish = "tool_calls" if called else finish
         out.append(chunk(i, None, finish))
         finished[i] = True
         if not all(finished):

@@ -17,9 +17,12 @@ well-formed call is left as text. Special tokens are normally dropped from the t
 the markers (``marker_ids``, ``Request.keep_special``) and nothing else special.
 
 Streaming (``Splitter``): content goes out as it comes until the text may be starting a section (a tail that is a
-prefix of the section marker is held back); from the marker on nothing more is content, and the calls are sent
-whole, one delta each, when the choice ends (the API lets a call's arguments come in pieces; here they come at
-once, which clients accumulate the same way).
+prefix of the section marker is held back); from the marker on nothing more is content. Each call streams as
+OpenAI's and vLLM's do: a first delta with its ``index``, ``id``, ``type`` and ``name`` once its id is complete,
+then its arguments in pieces as they are generated (a tail that may begin the end marker, and trailing blanks, held
+back until the next piece says; the pieces of a call join to ``parse``'s arguments), so a client shows a long call
+(a file an agent writes) as it comes. A call cut off before its end marker (max_tokens) has streamed its pieces;
+``parse`` of the whole text leaves it as text (as vLLM's parser does both ways).
 """
 
 from __future__ import annotations
@@ -95,33 +98,74 @@ def held(text: str, marker: str) -> int:
 
 
 class Splitter:
-    """A streamed choice's text split into content to send now and the calls at its end (module doc)."""
+    """A streamed choice's text split into content to send now and its calls' deltas (module doc)."""
 
     def __init__(self):
         self.text, self.sent, self.in_section = "", 0, False
+        self.pos = 0  # in the section: where the text not yet read as calls begins
+        self.state = "between"  # "between" calls | "header" (id being written) | "args" | "skip" | "done"
+        self.args_at, self.args_sent = 0, ""  # the open call: where its arguments begin, what was sent of them
+        self.calls = 0  # calls begun (a call's deltas carry its index, calls - 1 while it is open)
+        self.complete = 0  # calls whose end marker came
 
-    def feed(self, delta: str) -> str:
-        """Take a text delta; return the content that may be sent now."""
+    def feed(self, delta: str) -> tuple:
+        """Take a text delta; return (the content that may be sent now, [tool-call deltas in the API's form])."""
         self.text += delta
-        if self.in_section:
-            return ""
-        i = self.text.find(SECTION_BEGIN, max(0, self.sent - len(SECTION_BEGIN)))
-        if i >= 0:
-            self.in_section = True
-            upto = i
-        else:  # hold back a tail that may be the marker's beginning
-            hold = held(self.text, SECTION_BEGIN)
-            upto = len(self.text) - hold
-        out, self.sent = self.text[self.sent:max(upto, self.sent)], max(upto, self.sent)
-        return out
+        if not self.in_section:
+            i = self.text.find(SECTION_BEGIN, max(0, self.sent - len(SECTION_BEGIN)))
+            if i >= 0:
+                self.in_section, self.pos = True, i + len(SECTION_BEGIN)
+                upto = i
+            else:  # hold back a tail that may be the marker's beginning
+                upto = len(self.text) - held(self.text, SECTION_BEGIN)
+            out, self.sent = self.text[self.sent:max(upto, self.sent)], max(upto, self.sent)
+            return out, (self._calls(final=False) if self.in_section else [])
+        return "", self._calls(final=False)
+
+    def _calls(self, final: bool) -> list:
+        """The call deltas the text read so far allows (``final``: the text is whole: nothing is held back)."""
+        out = []
+        while True:
+            if self.state == "between":
+                begin, end = self.text.find(CALL_BEGIN, self.pos), self.text.find(SECTION_END, self.pos)
+                if end >= 0 and (begin < 0 or end < begin):
+                    self.state = "done"
+                if begin < 0 or self.state == "done":
+                    return out
+                self.pos, self.state = begin + len(CALL_BEGIN), "header"
+            elif self.state == "header":
+                j = self.text.find(ARGUMENT_BEGIN, self.pos)
+                if j < 0:
+                    return out
+                fid = self.text[self.pos:j].strip()
+                self.args_at, self.args_sent = j + len(ARGUMENT_BEGIN), ""
+                if fid and "<" not in fid and not any(c.isspace() for c in fid):
+                    out.append({"index": self.calls, "id": fid, "type": "function",
+                                "function": {"name": _name(fid), "arguments": ""}})
+                    self.calls, self.state = self.calls + 1, "args"
+                else:  # not a call ``parse`` reads: passed over to its end marker
+                    self.state = "skip"
+            else:  # "args" / "skip": up to the call's end marker
+                e = self.text.find(CALL_END, self.args_at)
+                whole = self.text[self.args_at:] if e < 0 else self.text[self.args_at:e]
+                if e < 0 and not final:
+                    whole = whole[:len(whole) - held(whole, CALL_END)].rstrip()  # blanks may be its last
+                whole = whole.strip()
+                if self.state == "args" and len(whole) > len(self.args_sent):
+                    out.append({"index": self.calls - 1, "function": {"arguments": whole[len(self.args_sent):]}})
+                    self.args_sent = whole
+                if e < 0:
+                    return out
+                self.complete += self.state == "args"
+                self.pos, self.state = e + len(CALL_END), "between"
 
     def finish(self) -> tuple:
-        """At the choice's end: (the content not yet sent, [ToolCall]); without calls the held-back text is
+        """At the choice's end: (the content not yet sent, [the last tool-call deltas], whether any call was
+        complete: the choice's finish_reason is then "tool_calls"); without a call begun the held-back text is
         content after all."""
-        content, calls = parse(self.text)
-        if not calls:
+        deltas = self._calls(final=True) if self.in_section else []
+        if self.calls == 0:
             rest, self.sent = self.text[self.sent:], len(self.text)
-            return rest, []
-        rest = (content or "")[self.sent:]
+            return rest, [], False
         self.sent = len(self.text)
-        return rest, calls
+        return "", deltas, self.complete > 0

@@ -46,17 +46,48 @@ def test_parse_finds_the_calls_and_the_content_before_them():
     assert [c.name for c in calls] == ["a"]
 
 
+def merged(deltas) -> list:
+    """Streamed tool-call deltas joined per index as a client does: the first names the call, the rest append
+    to its arguments."""
+    calls = []
+    for d in deltas:
+        if d["index"] == len(calls):
+            calls.append({k: v for k, v in d.items() if k != "index"})
+            calls[-1]["function"] = dict(d["function"])
+        else:
+            assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}, d
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return calls
+
+
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
-def test_splitter_streams_the_content_and_ends_with_the_calls(piece):
+def test_splitter_streams_the_content_and_the_calls_as_they_come(piece):
     sp = tc.Splitter()
-    sent = "".join(sp.feed(ANSWER[i:i + piece]) for i in range(0, len(ANSWER), piece))
-    rest, calls = sp.finish()
-    assert sent + rest == "Let me check." and B not in sent and [c.as_api() for c in calls] == CALLS
+    sent, deltas, before_end = "", [], 0
+    for i in range(0, len(ANSWER), piece):
+        text, got = sp.feed(ANSWER[i:i + piece])
+        sent, deltas = sent + text, deltas + got
+        if CE not in ANSWER[:i + piece]:  # the first call's arguments before its end marker came
+            before_end = sum("arguments" in d["function"] and d["function"]["arguments"] != "" for d in deltas)
+    rest, last, called = sp.finish()
+    assert sent + rest == "Let me check." and B not in sent and called
+    assert merged(deltas + last) == CALLS  # the pieces join to parse's calls
+    assert before_end >= (2 if piece == 1 else 0)  # fed a character at a time, arguments streamed in pieces
+    # a call cut off before its end (max_tokens) has streamed what it had; not complete: not "tool_calls"
+    sp = tc.Splitter()
+    cut = ANSWER[:ANSWER.index("[1, 2]")]
+    content, deltas = sp.feed(cut)
+    rest, last, called = sp.finish()
+    assert content == "Let me check." and not called
+    assert merged(deltas + last)[0]["function"]["arguments"] == '{"city": "Paris", "days":'
     # text that only looked like a marker's start is content after all
     sp = tc.Splitter()
-    sent = sp.feed("a <|tool") + sp.feed("_x|> b <|tool_calls_sec")
+    sent = sp.feed("a <|tool")[0] + sp.feed("_x|> b <|tool_calls_sec")[0]
     assert sent == "a <|tool_x|> b "
-    assert sp.finish() == ("<|tool_calls_sec", [])
+    assert sp.finish() == ("<|tool_calls_sec", [], False)
+    # a section that never begins a call is content too
+    sp = tc.Splitter()
+    assert sp.feed(f"x{B}y")[0] == "x" and sp.finish() == (f"{B}y", [], False)
 
 
 def test_markers_decode_where_they_are_special_tokens():
@@ -103,7 +134,7 @@ def test_served_tool_calls_streamed_and_not(srv):
     deltas = [ch["choices"][0]["delta"] for ch in chunks]
     assert "".join(d.get("content", "") for d in deltas) == "Let me check."  # no marker leaked into content
     streamed = [t for d in deltas for t in d.get("tool_calls", [])]
-    assert streamed == [{"index": k, **call} for k, call in enumerate(CALLS)]
+    assert merged(streamed) == CALLS and len(streamed) > len(CALLS)  # the arguments came in pieces
     assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]] == ["tool_calls"]
     # without tools (or with tool_choice "none") the same answer is text
     for extra in ({"tools": None}, {"tool_choice": "none"}):
