@@ -110,6 +110,8 @@ class Event:
     error: Optional[str] = None  # why the request could not be served (it ends with finish_reason "abort")
     logprobs: Optional[list] = None  # one entry per id of token_ids (StepOutput.logprobs'), when asked
     prompt_logprobs: Optional[list] = None  # on the first event, when asked (StepOutput.prompt_logprobs)
+    stop_reason: object = None  # on the last: the stop string or stop token id that ended it (vLLM's; None: EOS,
+    # max_tokens or abort)
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,6 +120,7 @@ class Request:
     on_event: Callable[[Event], None]
     stop: tuple = ()
     ignore_eos: bool = False
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text keeps the stop string that ended it
     keep_special: frozenset = frozenset()  # special ids its text shows (a tool-call format's markers)
     id: str = ""
     arrival: float = dataclasses.field(default_factory=time.monotonic)
@@ -135,6 +138,7 @@ class Request:
     admitted_at: Optional[float] = None
     cancelled: bool = False
     finished: Optional[str] = None
+    stop_reason: object = None  # Event.stop_reason
     decoder: object = None
 
     def usage(self) -> dict:
@@ -369,6 +373,7 @@ class Engine:
                 if ((not req.ignore_eos and self.eos is not None and int(t) == self.eos)
                         or int(t) in req.sampling.stop_token_ids):
                     reason, eos = "stop", True
+                    req.stop_reason = None if int(t) == self.eos and not req.ignore_eos else int(t)
                     break
                 if len(req.output_ids) + len(take) >= req.sampling.max_tokens:
                     reason = "length"
@@ -401,7 +406,8 @@ class Engine:
             req.text += req.decoder.flush()
             cut = _stop_at(req)
         if cut >= 0:
-            req.text, reason = req.text[:cut], "stop"
+            req.stop_reason = next(x for x in req.stop if req.text.startswith(x, cut))
+            req.text, reason = req.text[:cut + len(req.stop_reason) * req.include_stop_str], "stop"
         req.output_ids += take
         lps = lps[:len(take)] if req.sampling.logprobs is not None else None
         plp = outs[0].prompt_logprobs if prefill else None
@@ -430,7 +436,7 @@ class Engine:
             self.metrics.finished(req, reason, time.monotonic())
         req.on_event(Event(delta, list(take), finish_reason=reason, usage=req.usage(), error=error,
                            logprobs=logprobs if logprobs is not None or req.sampling.logprobs is None else [],
-                           prompt_logprobs=prompt_logprobs))
+                           prompt_logprobs=prompt_logprobs, stop_reason=req.stop_reason))
 
     def _gauges(self) -> None:
         if self.metrics:

@@ -126,6 +126,7 @@ class Parsed(NamedTuple):
     best_of: int = 1  # completions generated, the n likeliest returned (completions' ``best_of``; >= n)
     tools: bool = False  # the tools were rendered: the answer's tool calls are parsed (``jdspark.tool_calls``)
     reasoning: Optional[bool] = None  # chat with a reasoning parser: whether the prompt opened the think block
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -321,6 +322,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     else:
         raise ApiError(400, "'stop' must be a string or a list of non-empty strings", "stop")
     ignore_eos = _get(body, "ignore_eos", (bool,), False, what="a boolean")
+    include_stop_str = _get(body, "include_stop_str_in_output", (bool,), False, what="a boolean")
     stream = _get(body, "stream", (bool,), False, what="a boolean")
     speculative = _get(body, "speculative", (bool,), True, what="a boolean")
     spec_mode = _get(body, "spec_mode", (str,), None, lambda v: v in ("fixed", "adaptive"), "'fixed' or 'adaptive'")
@@ -358,7 +360,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          prompt_logprobs=logprobs if echo else None, logit_bias=logit_bias,
                          min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), **penalties)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
-                  int(best_of), tools is not None, started)
+                  int(best_of), tools is not None, started, bool(include_stop_str))
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
@@ -419,6 +421,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
         reqs = [EngineRequest(ranked if i == 0 else dataclasses.replace(ranked, seed=(ranked.seed + i) % 2 ** 63),
                               lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos,
+                              include_stop_str=q.include_stop_str,
                               keep_special=(markers if q.tools else frozenset())
                               | (think if q.reasoning is not None else frozenset()))
                 for i in range(q.best_of)]
@@ -443,7 +446,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             got = sorted(got, key=lambda c: -c.mean_logprob)[:q.n]
         choices = []
         for i, c in enumerate(got):
-            choice = {"index": i, "finish_reason": c.last.finish_reason,
+            choice = {"index": i, "finish_reason": c.last.finish_reason, "stop_reason": c.last.stop_reason,
                       "logprobs": logprobs_object(tokenizer, chat, q.sampling.logprobs, c.ids, c.entries, 0)}
             if chat:
                 thought, content = (None, "".join(c.text)) if q.reasoning is None else reasoning.split(

@@ -151,6 +151,8 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
             choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
+        if finish is not None:  # vLLM's: the stop string or stop token id that ended the choice
+            choice["stop_reason"] = reqs[i].stop_reason
         return data({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]})
 
     def events_of(i: int, ev: Event, out: list) -> bool:

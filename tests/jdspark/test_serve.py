@@ -91,12 +91,27 @@ def test_stop_token_ids_end_a_request_as_eos_does(srv):
         if stream:
             chunks = _sse_chunks(srv, "/v1/completions", body)
             text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-            reason = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
-            usage = chunks[-1]["usage"]
+            last = [c["choices"][0] for c in chunks if c["choices"]][-1]
+            reason, why, usage = last["finish_reason"], last["stop_reason"], chunks[-1]["usage"]
         else:
             r = httpx.post(srv.url + "/v1/completions", json=body).json()
             text, reason, usage = r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]
-        assert (text, reason, usage["completion_tokens"]) == ("bcd", "stop", 4), stream
+            why = r["choices"][0]["stop_reason"]
+        assert (text, reason, why, usage["completion_tokens"]) == ("bcd", "stop", ord("e"), 4), stream
+
+
+def test_stop_reason_and_include_stop_str_in_output(srv):
+    """vLLM's stop_reason (the stop string; None at max_tokens) and include_stop_str_in_output (the text keeps it)."""
+    body = {"prompt": [256, 97], "max_tokens": 20, "stop": ["xyz", "fgh"]}
+    c = httpx.post(srv.url + "/v1/completions", json=body).json()["choices"][0]
+    assert (c["text"], c["finish_reason"], c["stop_reason"]) == ("bcde", "stop", "fgh")
+    c = httpx.post(srv.url + "/v1/completions", json={**body, "include_stop_str_in_output": True}).json()
+    assert (c["choices"][0]["text"], c["choices"][0]["stop_reason"]) == ("bcdefgh", "fgh")
+    chunks = _sse_chunks(srv, "/v1/completions", {**body, "include_stop_str_in_output": True})
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == "bcdefgh"
+    assert [ch["choices"][0].get("stop_reason", "-") for ch in chunks][-1] == "fgh"
+    c = httpx.post(srv.url + "/v1/completions", json={"prompt": "A", "max_tokens": 3}).json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
 
 
 def test_streaming_sse_with_usage(srv):
