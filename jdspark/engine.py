@@ -438,9 +438,18 @@ class Engine:
                            logprobs=logprobs if logprobs is not None or req.sampling.logprobs is None else [],
                            prompt_logprobs=prompt_logprobs, stop_reason=req.stop_reason))
 
+    def kv_usage(self) -> float:
+        """The slots' cache positions in use: the running requests' prompt + output tokens over slots x max_len
+        (0 for a backend without a ``max_len``)."""
+        max_len = getattr(self.backend, "max_len", None)
+        if not max_len:
+            return 0.0
+        used = sum(len(r.sampling.prompt_ids) + len(r.output_ids) for r in self.slots if r is not None)
+        return min(1.0, used / (self.backend.num_slots * max_len))
+
     def _gauges(self) -> None:
         if self.metrics:
-            self.metrics.gauges(self.num_running, self.num_waiting)
+            self.metrics.gauges(self.num_running, self.num_waiting, self.kv_usage())
             costs = getattr(self.backend, "costs", None)  # an adaptive backend's cost table (slots.SlotBackend)
             if costs:
                 self.metrics.step_costs(costs)

@@ -4,11 +4,17 @@ Counters (exposed with the ``_total`` suffix, as vLLM's are): ``vllm:spec_decode
 ``vllm:spec_decode_num_draft_tokens``, ``vllm:spec_decode_num_accepted_tokens``,
 ``vllm:spec_decode_num_accepted_tokens_per_pos`` (label ``position``, 0-based), ``vllm:prompt_tokens``,
 ``vllm:generation_tokens``, ``vllm:request_success`` (label ``finished_reason``), ``vllm:prefix_cache_queries`` and
-``vllm:prefix_cache_hits`` (prompt tokens looked up / found kept: ``jdspark.prefix``; hit rate = hits / queries).
-Gauges:
-``vllm:num_requests_running``, ``vllm:num_requests_waiting``. Histograms: ``vllm:time_to_first_token_seconds``,
-``vllm:inter_token_latency_seconds``, ``vllm:request_time_per_output_token_seconds``,
-``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``, and ``jdspark:verified_tokens_per_step``
+``vllm:prefix_cache_hits`` (prompt tokens looked up / found kept: ``jdspark.prefix``; hit rate = hits / queries),
+``vllm:num_preemptions`` (always 0: a request keeps its slot from admission to its end). Gauges:
+``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (the slots' cache
+positions in use, a fraction: prompt + output tokens of the running requests over slots x max_len; each slot's
+cache is allocated whole, so this says how full the allocation is, not what it costs). Histograms:
+``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
+``vllm:request_time_per_output_token_seconds``, ``vllm:e2e_request_latency_seconds``,
+``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds`` (admission to first token),
+``vllm:request_decode_time_seconds`` (first token to last), ``vllm:request_inference_time_seconds`` (admission to
+last), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, ``vllm:request_params_max_tokens``
+(per request), and ``jdspark:verified_tokens_per_step``
 (tokens the target verified per slot per step: the adaptive scheduler's choice). Gauge ``jdspark:step_cost_seconds``
 (labels ``batch``, ``width``): the cost table the adaptive scheduler reads, as measured by warm-up and then by the
 steps served (what a step of that many slots at that verify width costs this server).
@@ -25,6 +31,7 @@ __all__ = ["ServeMetrics"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
             40.0, 80.0)
+_TOKENS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # vLLM's 1-2-5 buckets
 _TPOT = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -71,6 +78,23 @@ class ServeMetrics:
                                   buckets=tuple(range(1, max_positions + 2)), registry=r, **lab)
         self.step_cost = Gauge("jdspark:step_cost_seconds", "The adaptive scheduler's step cost per (batch, width).",
                                labelnames=["model_name", "batch", "width"], registry=r)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Admission to first token.",
+                                      buckets=_LATENCY, registry=r, **lab)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "First token to last.", buckets=_LATENCY,
+                                     registry=r, **lab)
+        self.inference_time = Histogram("vllm:request_inference_time_seconds", "Admission to last token.",
+                                        buckets=_LATENCY, registry=r, **lab)
+        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", buckets=_TOKENS,
+                                    registry=r, **lab)
+        self.req_generation = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                        buckets=_TOKENS, registry=r, **lab)
+        self.req_max_tokens = Histogram("vllm:request_params_max_tokens", "max_tokens per request.",
+                                        buckets=_TOKENS, registry=r, **lab)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (never: a slot is held to the end).",
+                                   registry=r, **lab)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Slot cache positions in use (fraction, 1 = full).",
+                              registry=r, **lab)
+        self._m(self.preemptions)
         self._costs_seen = None
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=model_name, finished_reason=reason)
@@ -110,10 +134,18 @@ class ServeMetrics:
         n = len(req.output_ids)
         if n > 1 and req.first_token_at is not None:
             self._m(self.tpot).observe((now - req.first_token_at) / (n - 1))
+        self._m(self.req_prompt).observe(len(req.sampling.prompt_ids))
+        self._m(self.req_generation).observe(n)
+        self._m(self.req_max_tokens).observe(req.sampling.max_tokens)
+        if req.admitted_at is not None and req.first_token_at is not None:
+            self._m(self.prefill_time).observe(req.first_token_at - req.admitted_at)
+            self._m(self.decode_time).observe(now - req.first_token_at)
+            self._m(self.inference_time).observe(now - req.admitted_at)
 
-    def gauges(self, running: int, waiting: int) -> None:
+    def gauges(self, running: int, waiting: int, kv_usage: float = 0.0) -> None:
         self._m(self.running).set(running)
         self._m(self.waiting).set(waiting)
+        self._m(self.kv_usage).set(kv_usage)
 
     def step_costs(self, table) -> None:
         """Expose the scheduler's cost table {(batch, width): seconds} (a table already exposed is skipped)."""

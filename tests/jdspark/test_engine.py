@@ -201,3 +201,20 @@ def test_idle_work_that_fails_is_turned_off_and_serving_goes_on():
         eng.shutdown()
     assert got == _want(0, 6) + _want(10, 6) + _want(20, 6)
     assert len(be.idle_runs) == 1 and isinstance(eng.idle_error, RuntimeError) and eng.error is None
+
+
+def test_kv_cache_usage_is_the_running_requests_positions_over_the_slots_caches():
+    """``vllm:kv_cache_usage_perc``'s value: prompt + output tokens of the requests in slots over slots x max_len
+    (0 for a backend without a max_len)."""
+
+    class Backend:
+        num_slots, max_len = 2, 50
+
+    eng = Engine(Backend(), ByteTokenizer(), eos_token_id=None)
+    assert eng.kv_usage() == 0.0
+    a = Request(SamplingRequest(tuple(range(10)), 8), lambda ev: None)
+    a.output_ids = [5] * 7
+    eng.slots[1] = a
+    assert eng.kv_usage() == (10 + 7) / 100
+    Backend.max_len = None
+    assert eng.kv_usage() == 0.0

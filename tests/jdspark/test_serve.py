@@ -476,6 +476,17 @@ def test_metrics_match_what_was_served_and_a_soak(soak_srv):
     # every prefill looked its prompt up; the scripted backend found half of each ("k", "d": BOS + 1 byte)
     queries, hits = d["vllm:prefix_cache_queries_total"], d["vllm:prefix_cache_hits_total"]
     assert queries == d["vllm:prompt_tokens_total"] == 2 * hits > 0
+    # the per-request histograms (vLLM's dashboards): every request ended, so their sums are the counters' deltas
+    # and their counts the finished requests; nothing preempted; the scripted backend has no cache to fill
+    dh = {k: _metric(m1, k) - _metric(m0, k) for k in
+          ("vllm:request_generation_tokens_sum", "vllm:request_prompt_tokens_sum",
+           "vllm:request_params_max_tokens_count", "vllm:request_inference_time_seconds_count",
+           "vllm:request_success_total")}
+    assert dh["vllm:request_generation_tokens_sum"] == d["vllm:generation_tokens_total"]
+    assert dh["vllm:request_prompt_tokens_sum"] == d["vllm:prompt_tokens_total"]
+    assert dh["vllm:request_params_max_tokens_count"] == dh["vllm:request_success_total"] >= n_good
+    assert dh["vllm:request_inference_time_seconds_count"] >= n_good
+    assert _metric(m1, "vllm:num_preemptions_total") == 0 and "vllm:kv_cache_usage_perc{" in m1
 
 
 def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
