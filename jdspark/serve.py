@@ -4,7 +4,8 @@
 
 Endpoints: ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions`` (the checkpoint's
 chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``; ``image_url`` parts with ``data:`` URIs when the checkpoint
-has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``GET /health`` (503 until every
+has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``POST /tokenize`` / ``/detokenize``
+(vLLM's: a prompt or chat's ids as this server prefills them, and back), ``GET /health`` (503 until every
 program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
 decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
 ``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
@@ -243,19 +244,22 @@ def _message(m: dict, i: int, vision) -> tuple:
     return out, imgs
 
 
-def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True):
+def _check_body(body, model_name: str) -> None:
+    """A request body is a JSON object naming this server's model, or none."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != model_name:
         raise ApiError(404, f"The model '{model}' does not exist (this server serves '{model_name}')", "model",
                        code="model_not_found")
-    _reject_unsupported(body)
-    if chat and body.get("echo") not in (None, False):
-        raise ApiError(400, "'echo' is not supported on /v1/chat/completions (only on /v1/completions)", "echo",
-                       code="unsupported")
-    echo = False if chat else _get(body, "echo", (bool,), False, what="a boolean")
+
+
+def _prompt(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_parser, reasoning_parser,
+            add_generation_prompt: bool = True) -> tuple:
+    """A request's prompt ids: chat ``messages`` rendered by the chat template (with ``tools``, images expanded to
+    their placeholders), or a completion's ``prompt`` (text or token ids). Returns (ids, the prompt's text for an
+    echo, the images' VisionInput or None, the tools or None, whether the rendered prompt opened a think block)."""
+    echo_text = None
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -269,7 +273,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
         tools = _tools(body, chat, tokenizer, tool_parser)
-        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=True,
+        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                                  **({} if tools is None else {"tools": tools}))
         started = None if reasoning_parser is None else reasoning.started_by(rendered)
         if images:
@@ -296,6 +300,19 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
             echo_text = tokenizer.decode(ids)
         else:
             raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
+    return ids, echo_text, vin, tools, started
+
+
+def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
+           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True):
+    _check_body(body, model_name)
+    _reject_unsupported(body)
+    if chat and body.get("echo") not in (None, False):
+        raise ApiError(400, "'echo' is not supported on /v1/chat/completions (only on /v1/completions)", "echo",
+                       code="unsupported")
+    echo = False if chat else _get(body, "echo", (bool,), False, what="a boolean")
+    ids, echo_text, vin, tools, started = _prompt(body, tokenizer, vocab_size, chat, vision, tool_parser,
+                                                  reasoning_parser)
     if not ids:
         raise ApiError(400, "the prompt is empty", "prompt")
     if max_prompt is not None and len(ids) > max_prompt:
@@ -393,14 +410,47 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jdspark",
                                             "max_model_len": max_context}]}
 
+    async def json_body(request: Request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"invalid JSON: {e}") from None
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a completion's ``prompt`` or a chat's ``messages`` (``add_generation_prompt``, default true;
+        ``tools``) as this server would prefill them: {"count", "max_model_len", "tokens"}."""
+        try:
+            body = await json_body(request)
+            _check_body(body, model_name)
+            add = _get(body, "add_generation_prompt", (bool,), True, what="a boolean")
+            ids = _prompt(body, tokenizer, vocab_size, "messages" in body, vision, tool_parser, None, add)[0]
+        except MediaError as e:
+            return err(ApiError(400, e.message, e.param, code=e.code))
+        except ApiError as e:
+            return err(e)
+        return {"count": len(ids), "max_model_len": max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: ``tokens`` (ids in the vocabulary) -> {"prompt": their text} (special tokens dropped)."""
+        try:
+            body = await json_body(request)
+            _check_body(body, model_name)
+            ids = _get(body, "tokens", (list,), None, lambda v: all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in v),
+                f"a list of token ids in [0, {vocab_size})")
+            if ids is None:
+                raise ApiError(400, "'tokens' is required", "tokens")
+        except ApiError as e:
+            return err(e)
+        return {"prompt": tokenizer.decode(ids)}
+
     async def serve(request: Request, chat: bool):
         if not is_ready():
             return err(ApiError(503, "warming up: compiling", type_="server_error"))
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return err(ApiError(400, f"invalid JSON: {e}"))
-        try:
+            body = await json_body(request)
             q = parse_completion(
                 body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
                 chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,

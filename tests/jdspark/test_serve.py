@@ -114,6 +114,28 @@ def test_stop_reason_and_include_stop_str_in_output(srv):
     assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
 
 
+def test_tokenize_and_detokenize(srv):
+    """vLLM's /tokenize gives the ids the server prefills (their count is a completion's usage.prompt_tokens, for a
+    prompt and for chat messages through the template); /detokenize gives the text back; bad bodies are 400 / 404."""
+    msgs = [{"role": "user", "content": "héllo"}]
+    for body in ({"prompt": "héllo wörld"}, {"messages": msgs}):
+        t = httpx.post(srv.url + "/tokenize", json=body).json()
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        used = httpx.post(srv.url + path, json={**body, "max_tokens": 2}).json()["usage"]["prompt_tokens"]
+        assert t["count"] == len(t["tokens"]) == used and t["max_model_len"] == 4096
+    bare = httpx.post(srv.url + "/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+    assert bare["count"] < t["count"] and t["tokens"][:bare["count"]] == bare["tokens"]
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": "héllo wörld"}).json()["tokens"]
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json() == {"prompt": "héllo wörld"}
+    for path, body, status, param in (("/detokenize", {"tokens": [1, 384]}, 400, "tokens"),
+                                      ("/detokenize", {}, 400, "tokens"),
+                                      ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+                                      ("/tokenize", {"messages": []}, 400, "messages")):
+        r = httpx.post(srv.url + path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert httpx.post(srv.url + "/tokenize", content="{").status_code == 400
+
+
 def test_streaming_sse_with_usage(srv):
     with httpx.stream("POST", srv.url + "/v1/completions",
                       json={"prompt": "A", "max_tokens": 12, "stream": True,
