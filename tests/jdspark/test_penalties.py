@@ -157,7 +157,7 @@ def test_served_penalties_equal_batch_one_generate(pair):  # noqa: F811
 
 
 def test_the_server_takes_penalties():
-    from jdspark.serve import ApiError, parse_completion
+    from jdspark.serve_request import ApiError, parse_completion
     from kimi.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()

@@ -165,7 +165,7 @@ def test_a_chat_s_next_turn_begins_with_its_last_prompt():
     conversation's next turn begin with the ids of its previous turn's prompt (the template closes each message
     with a special token, so the encoding of what came before never changes), whatever the answer's text."""
     import kimi
-    from jdspark.serve import parse_completion
+    from jdspark.serve_request import parse_completion
 
     tok = kimi.load_tokenizer("checkpoints/default/target", vocab_size=4096)
 

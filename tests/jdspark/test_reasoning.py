@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from jdspark import reasoning as rs
-from jdspark.serve import parse_completion
+from jdspark.serve_request import parse_completion
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer
 from tests.jdspark.test_tool_calls import ANSWER, CALLS, TEMPLATE, TOOLS

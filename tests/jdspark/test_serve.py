@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jdspark.serve import ApiError, parse_completion
+from jdspark.serve_request import ApiError, parse_completion
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from jdspark import tool_calls as tc
-from jdspark.serve import ApiError, parse_completion
+from jdspark.serve_request import ApiError, parse_completion
 from kimi.tokenizer import ByteTokenizer, Tokenizer
 from tests.jdspark.serve_helpers import LiveServer
 from tests.kimi.test_tokenizer import hf_dir  # noqa: F401  (a tokenizer.json and its config)

@@ -10,7 +10,7 @@ from PIL import Image
 
 import jdspark
 from jdspark.engine import SamplingRequest
-from jdspark.serve import ApiError, parse_completion
+from jdspark.serve_request import ApiError, parse_completion
 from jdspark.slots import SlotBackend
 from kimi import image as image_lib
 from kimi.tokenizer import ByteTokenizer
