@@ -135,7 +135,7 @@ class SlotBackend:
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
-            controls=self._controls(SamplingRequest((1,), 1))))
+            controls=self._controls()))
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
@@ -250,10 +250,13 @@ class SlotBackend:
                                                ptop)
         return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
-    def _controls(self, req: SamplingRequest):
-        """The request's ``LogitControls`` where the programs carry them (``penalties``), else None."""
+    def _controls(self, req: Optional[SamplingRequest] = None):
+        """The request's ``LogitControls`` (None: a request asking for none) where the programs carry them
+        (``penalties``), else None."""
         if not self.penalties:
             return None
+        if req is None:
+            return logit_controls(self.cfg.vocab_size, None, 0, always=True)
         return logit_controls(self.cfg.vocab_size, dict(req.logit_bias), req.min_tokens, req.stop_token_ids,
                               always=True)
 
@@ -275,7 +278,7 @@ class SlotBackend:
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed),
                 np.float32(temperature), np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32),
-                self._controls(SamplingRequest((1,), 1)) if controls is None else controls)
+                self._controls() if controls is None else controls)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
                  media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None):
@@ -295,7 +298,7 @@ class SlotBackend:
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
                  np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32), media_PD, want,
-                 self._controls(SamplingRequest((1,), 1)) if controls is None else controls),
+                 self._controls() if controls is None else controls),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):
