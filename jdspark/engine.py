@@ -69,6 +69,7 @@ class SamplingRequest:
     min_tokens: int = 0  # vLLM's: ``stop_token_ids`` not drawn, and stop strings not matched, before this many tokens
     stop_token_ids: tuple = ()  # ids that end the request as EOS does (vLLM's; the server adds EOS unless the
     # request ignores it), which min_tokens holds back
+    min_p: float = 0.0  # ``sampling.SamplingParams.min_p`` (0: off)
 
     @property
     def has_controls(self) -> bool:

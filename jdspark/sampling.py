@@ -1,9 +1,9 @@
-"""Sampling: temperature / top-k / top-p, and the acceptance rules of speculative decoding.
+"""Sampling: temperature / top-k / min-p / top-p, and the acceptance rules of speculative decoding.
 
 The target's p is ``process_logits`` of its logits; the drafter's q is ``propose``'s near-nucleus of its own (the
-same temperature and top-k, and a superset of the top-p nucleus found in one pass). Rejection sampling reads the q
-each draft was drawn from, so it stays lossless for any (temperature, top_k, top_p) and any q: the output follows
-the target's processed distribution exactly.
+same temperature, top-k and min-p, and a superset of the top-p nucleus found in one pass). Rejection sampling
+reads the q each draft was drawn from, so it stays lossless for any (temperature, top_k, min_p, top_p) and any q:
+the output follows the target's processed distribution exactly.
 """
 
 from __future__ import annotations
@@ -25,20 +25,24 @@ _NUCLEUS_FAST_K = 64  # top-p looks for its boundary among the 64 most likely to
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 mean off.
+    """temperature 0 means greedy (argmax); top_k 0, top_p 1.0 and min_p 0.0 mean off. min_p (vLLM's, HF's):
+    keep the tokens whose probability is >= min_p times the likeliest's, i.e. z_i >= max_j z_j + log(min_p) on the
+    tempered logits; applied before top-p (vLLM's order: temperature, min-p, top-k, top-p; min-p and top-k commute,
+    both thresholds on z below the same maximum).
 
     Fields are Python numbers (one setting for a whole program: the branches a setting does not need are skipped
     when tracing) or arrays of one value per row (``SamplingParams.rows``: a serving engine's slots, each with
     its own setting; every branch is computed and selected per row).
 
     ``batch`` (optional, with per-row fields): three scalar booleans for the whole batch, whether any row samples
-    (temperature > 0), uses top-k, uses top-p. A mapped program (``jax.vmap`` over rows) builds its per-row
+    (temperature > 0), uses top-k, uses top-p, uses min-p. A mapped program (``jax.vmap`` over rows) builds its per-row
     parameters inside the map and closes over ``batch`` from outside it, so ``lax.cond`` on these stays a real
     branch (a per-row predicate under vmap runs both): a batch of greedy rows skips sampling altogether."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     batch: object = None
 
     def __post_init__(self):
@@ -50,10 +54,12 @@ class SamplingParams:
             raise ValueError(f"top_k: expected >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p: expected in [0, 1] (0 = off), got {self.min_p}")
 
     @property
     def is_static(self) -> bool:
-        return all(isinstance(v, (int, float)) for v in (self.temperature, self.top_k, self.top_p))
+        return all(isinstance(v, (int, float)) for v in (self.temperature, self.top_k, self.top_p, self.min_p))
 
     @property
     def greedy(self) -> bool:
@@ -65,20 +71,20 @@ class SamplingParams:
         return self.temperature == 0.0 if self.is_static else jnp.asarray(self.temperature) == 0.0
 
     @staticmethod
-    def rows(temperature, top_k, top_p, batch=None) -> "SamplingParams":
+    def rows(temperature, top_k, top_p, min_p=0.0, batch=None) -> "SamplingParams":
         """Per-row parameters as arrays (validated by the caller); ``batch``: ``batch_flags`` of the whole batch."""
         return SamplingParams(jnp.asarray(temperature, jnp.float32), jnp.asarray(top_k, jnp.int32),
-                              jnp.asarray(top_p, jnp.float32), batch)
+                              jnp.asarray(top_p, jnp.float32), jnp.asarray(min_p, jnp.float32), batch)
 
     @staticmethod
-    def batch_flags(temperature_B, top_k_B, top_p_B):
-        """(any row samples, any uses top-k, any uses top-p) of a batch's per-row parameters."""
-        t, k, p = (jnp.asarray(x) for x in (temperature_B, top_k_B, top_p_B))
+    def batch_flags(temperature_B, top_k_B, top_p_B, min_p_B=0.0):
+        """(any row samples, any uses top-k, any uses top-p, any uses min-p) of a batch's per-row parameters."""
+        t, k, p, m = (jnp.asarray(x) for x in (temperature_B, top_k_B, top_p_B, min_p_B))
         sampled = t > 0
-        return jnp.any(sampled), jnp.any(sampled & (k > 0)), jnp.any(sampled & (p < 1.0))
+        return jnp.any(sampled), jnp.any(sampled & (k > 0)), jnp.any(sampled & (p < 1.0)), jnp.any(sampled & (m > 0))
 
 
-jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p", "batch"],
+jax.tree_util.register_dataclass(SamplingParams, data_fields=["temperature", "top_k", "top_p", "min_p", "batch"],
                                  meta_fields=[])
 
 
@@ -215,17 +221,18 @@ def _lead(v, z):
 
 
 def process_logits(logits_XV, sp: SamplingParams):
-    """Log-probabilities of the processed distribution, fp32: logits / T, then top-k, then top-p (nucleus: the
-    smallest set of most likely tokens whose mass reaches top_p; ties broken by index). Masked entries are -inf.
-    Per-row parameters (arrays) broadcast over the leading axes of ``logits_XV``; top-k keeps ties with the k-th."""
+    """Log-probabilities of the processed distribution, fp32: logits / T, then top-k and min-p, then top-p
+    (nucleus: the smallest set of most likely tokens whose mass reaches top_p; ties broken by index). Masked
+    entries are -inf. Per-row parameters (arrays) broadcast over the leading axes of ``logits_XV``; top-k keeps
+    ties with the k-th, min-p every token at its bound."""
     z = logits_XV.astype(jnp.float32)
     if sp.is_static:
-        z = _top_k_static(z / (sp.temperature if sp.temperature > 0 else 1.0), sp.top_k)
+        z = _min_p(_top_k_static(z / (sp.temperature if sp.temperature > 0 else 1.0), sp.top_k), sp.min_p)
         if sp.top_p < 1.0:
             z = _top_p(z, sp.top_p)
         return jax.nn.log_softmax(z, axis=-1)
     t, p = (_lead(v, z)[..., None] for v in (sp.temperature, sp.top_p))
-    z = _top_k_rows(z / jnp.where(t > 0, t, 1.0), sp)
+    z = _min_p_rows(_top_k_rows(z / jnp.where(t > 0, t, 1.0), sp), sp)
     any_p = None if sp.batch is None else sp.batch[2]
     z = _when(any_p, lambda z: jnp.where(p < 1.0, _top_p(z, _lead(sp.top_p, z)), z), z)
     return jax.nn.log_softmax(z, axis=-1)
@@ -250,6 +257,24 @@ def _top_k_rows(z, sp: SamplingParams):
         return jnp.where((k > 0) & (k < V) & (z < kth), _NEG, z)
 
     return _when(None if sp.batch is None else sp.batch[1], top_k_rows, z)
+
+
+def _min_p(z, min_p):
+    """z with the entries whose probability is below min_p x the row's largest masked: kept iff z_i >= max z +
+    log(min_p) (no softmax needed; min_p 0: log 0 = -inf keeps every entry). ``min_p``: a Python float (0: z as
+    it is) or per-row values broadcast to z's leading axes."""
+    if isinstance(min_p, (int, float)):
+        if min_p <= 0:
+            return z
+        log_m = jnp.float32(math.log(min_p))
+    else:
+        log_m = jnp.log(_lead(min_p, z))[..., None]
+    return jnp.where(z >= jnp.max(z, axis=-1, keepdims=True) + log_m, z, _NEG)
+
+
+def _min_p_rows(z, sp: SamplingParams):
+    """``_min_p`` with per-row min_p, skipped when the batch flag says no row uses it."""
+    return _when(None if sp.batch is None else sp.batch[3], lambda z: _min_p(z, sp.min_p), z)
 
 
 def _bisect(lo_X, hi_X, go_up, steps: int):
@@ -432,9 +457,9 @@ def _nucleus_by_buckets(logp_XV, top_p_X):
 
 
 def propose(key, logits_XV, sp: SamplingParams):
-    """A drafter's sampled proposal: (token [...], log q [..., V] fp32), q the tempered, top-k-masked distribution
-    restricted to a superset of its top-p nucleus (``_nucleus_by_buckets``: at most one bucket of tokens within a
-    factor 1.125 of the nucleus's smallest past it) and renormalised.
+    """A drafter's sampled proposal: (token [...], log q [..., V] fp32), q the tempered, top-k- and min-p-masked
+    distribution restricted to a superset of its top-p nucleus (``_nucleus_by_buckets``: at most one bucket of
+    tokens within a factor 1.125 of the nucleus's smallest past it) and renormalised.
 
     Speculative sampling is lossless for any proposal q the rejection rule reads (``accept_rejection``: the output
     follows the target's p whatever q is), so the drafter need not compute ``process_logits``'s exact nucleus: a
@@ -445,10 +470,10 @@ def propose(key, logits_XV, sp: SamplingParams):
     z = logits_XV.astype(jnp.float32)
     if sp.is_static:
         t, p = jnp.float32(sp.temperature if sp.temperature > 0 else 1.0), jnp.float32(sp.top_p)
-        z = _top_k_static(z / t, sp.top_k)
+        z = _min_p(_top_k_static(z / t, sp.top_k), sp.min_p)
     else:
         t = _lead(sp.temperature, z)
-        z = _top_k_rows(z / jnp.where(t > 0, t, 1.0)[..., None], sp)
+        z = _min_p_rows(_top_k_rows(z / jnp.where(t > 0, t, 1.0)[..., None], sp), sp)
         p = _lead(sp.top_p, z)
     p_X = jnp.broadcast_to(jnp.asarray(p, jnp.float32), z.shape[:-1])
     logp_XV = jax.nn.log_softmax(z, axis=-1)

@@ -274,6 +274,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                                   "a number >= 0"))
     top_p = float(get_field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"))
     top_k = get_field(body, "top_k", (int,), 0, lambda v: v >= -1, "an integer >= -1 (-1 or 0: off)")
+    min_p = float(get_field(body, "min_p", (int, float), 0.0, lambda v: 0 <= v <= 1, "a number in [0, 1] (0: off)"))
     seed = get_field(body, "seed", (int,), 0, lambda v: 0 <= v < 2 ** 63, "a non-negative integer")
     stop = body.get("stop")
     if stop is None:
@@ -322,6 +323,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None, logit_bias=logit_bias,
-                         min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), **penalties)
+                         min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), min_p=min_p,
+                         **penalties)
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started, bool(include_stop_str))

@@ -26,13 +26,13 @@ __all__ = ["insert_row", "step_rows", "HOST_COLUMNS"]
 
 # step_rows' per-row host inputs, in this order, packed into one float32 [b, HOST_COLUMNS] array
 HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs", "repetition_penalty",
-                "frequency_penalty", "presence_penalty", "logit_controls")
+                "frequency_penalty", "presence_penalty", "logit_controls", "min_p")
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs", "penalties"),
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-               penalties_3, media_PD=None, want_prompt=None, controls=None, *, max_len, chunk=None,
+               min_p, penalties_3, media_PD=None, want_prompt=None, controls=None, *, max_len, chunk=None,
                logprobs: Optional[int] = None, penalties: bool = True):
     """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
     ``TokenLogprobs``, the prompt's where ``want_prompt`` says so: ``speculative.prefill_stream``). ``media_PD``:
@@ -42,7 +42,7 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     rows carry no counts), ``controls`` its logit_bias and min_tokens (``sampling.LogitControls``; with
     ``penalties``, which compiles both in)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
-    sp = SamplingParams.rows(temp, top_k, top_p)
+    sp = SamplingParams.rows(temp, top_k, top_p, min_p)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
                                      logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen,
@@ -57,28 +57,28 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
               extend_context=True, logprobs: Optional[int] = None, penalties: bool = True):
     """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_bC``: float32 [b,
     len(HOST_COLUMNS)], per row its slot index, top_k, temperature, top_p, draft cap, whether it wants
-    log-probabilities (> 0), its three penalties and whether it has logit controls (> 0: a logit_bias or min_tokens,
-    which the penalties' batch flag covers too), the host's inputs packed into one array (the integers are exact in
-    float32 below 2^24): each array a launch takes from the host is a transfer of its own, ~60 us apiece on the H200
-    (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is written back, and
-    copies compute the same thing. ``all_slots``: the rows are every slot in order, so the state is stepped as it is
-    (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a ``lax.scan``): one
-    launch, one gather and scatter and one read-back for several steps (multi-step scheduling: the host's round trip
-    per step is what a batch-1 step spends most on here). ``extend_context`` False (width 1 only): the plain step
-    leaves the drafter's context as it is (no drafter work at all): for rows that never draft (draft cap 0 for their
-    whole request)."""
+    log-probabilities (> 0), its three penalties, whether it has logit controls (> 0: a logit_bias or min_tokens,
+    which the penalties' batch flag covers too) and its min_p, the host's inputs packed into one array (the integers
+    are exact in float32 below 2^24): each array a launch takes from the host is a transfer of its own, ~60 us
+    apiece on the H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is
+    written back, and copies compute the same thing. ``all_slots``: the rows are every slot in order, so the state
+    is stepped as it is (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps`` > 1
+    (a ``lax.scan``): one launch, one gather and scatter and one read-back for several steps (multi-step scheduling:
+    the host's round trip per step is what a batch-1 step spends most on here). ``extend_context`` False (width 1
+    only): the plain step leaves the drafter's context as it is (no drafter work at all): for rows that never draft
+    (draft cap 0 for their whole request)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     rows_b, topk_b, cap_b = (host_bC[:, j].astype(jnp.int32) for j in (0, 1, 4))
-    temp_b, topp_b = host_bC[:, 2], host_bC[:, 3]
+    temp_b, topp_b, minp_b = host_bC[:, 2], host_bC[:, 3], host_bC[:, 10]
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
-    batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b)  # outside the map: a greedy step skips sampling
+    batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b, minp_b)  # outside the map: a greedy step skips sampling
     want = jnp.any(host_bC[:, 5] > 0) if logprobs is not None else None  # outside the map too: a real branch
     pen_b3 = host_bC[:, 6:9]
     penalising = (Penalties.batch_flag(pen_b3[:, 0], pen_b3[:, 1], pen_b3[:, 2])  # likewise
                   | jnp.any(host_bC[:, 9] > 0))
 
-    def one(st, t, k, p, cap, pen3):
-        sp = SamplingParams.rows(t, k, p, batch)
+    def one(st, t, k, p, m, cap, pen3):
+        sp = SamplingParams.rows(t, k, p, m, batch)
         kw = dict(logprobs=logprobs, want_logprobs=want,
                   penalties=Penalties.rows(*pen3, penalising) if penalties else None)
         if drafter is None or width == 1:  # extending the context of rows that draft on later steps
@@ -87,7 +87,7 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
 
     def mapped(rows_state, _=None):
         with dispatch.mapped_rows(int(rows_b.shape[0])):
-            return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, cap_b, pen_b3)
+            return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, minp_b, cap_b, pen_b3)
 
     if steps == 1:
         new, out = mapped(sub)

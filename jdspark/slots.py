@@ -71,6 +71,16 @@ COMPILE_THREADS = 8
 # once a launch), so larger buckets take one step a launch (docs/serving.md, "Multi-step scheduling").
 MULTI_STEP_MAX_BATCH = 4
 
+# a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
+SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
+
+
+def _scalars(samp) -> tuple:
+    """(temperature, top_k, top_p, min_p) as the NumPy scalars the insert programs take (converted by the call
+    itself: a ``jnp`` scalar is a device dispatch of its own)."""
+    t, k, p, m = samp
+    return np.float32(t), np.int32(k), np.float32(p), np.float32(m)
+
 
 def multi_step_plan(platform: str) -> tuple:
     """The server's default (steps per launch, largest batch bucket launched so; 0: every bucket) on ``platform``
@@ -151,8 +161,8 @@ class SlotBackend:
             raise ValueError(f"max_logprobs: expected None or 0..{self.cfg.vocab_size}, got {max_logprobs}")
         self.max_logprobs = None if max_logprobs is None else int(max_logprobs)
         # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none), repetition,
-        # frequency and presence penalties, whether it has logit controls
-        self.params = np.zeros((self.num_slots, 9), np.float64)
+        # frequency and presence penalties, whether it has logit controls, min_p
+        self.params = np.zeros((self.num_slots, 10), np.float64)
         self.free_all_params()
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
@@ -221,22 +231,24 @@ class SlotBackend:
         cap = self.G if req.speculative else 0
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
+        if not 0.0 <= req.min_p <= 1.0:
+            raise ValueError(f"min_p: expected in [0, 1] (0: off), got {req.min_p}")
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
         if (pen != (1.0, 0.0, 0.0) or req.has_controls) and not self.penalties:
             raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens: this backend was "
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls)
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p)
+        samp = (req.temperature, top_k, req.top_p, req.min_p)
         self.modes[slot] = mode
         self.tracker.reset(slot)
         self.inserts[slot] += 1
         if hit is None:
-            first, lp = self._prefill(slot, padded, n, req.seed, req.temperature, top_k, req.top_p, media, chunk,
+            first, lp = self._prefill(slot, padded, n, req.seed, samp, media, chunk,
                                        ptop >= 0, pen, controls)
         else:
-            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, req.temperature, top_k, req.top_p,
-                                     pen, controls)
+            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, samp, pen, controls)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
@@ -260,44 +272,43 @@ class SlotBackend:
         return logit_controls(self.cfg.vocab_size, dict(req.logit_bias), req.min_tokens, req.stop_token_ids,
                               always=True)
 
-    def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
-                top_p: float, penalties=(1.0, 0.0, 0.0), controls=None):
+    def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
+                penalties=(1.0, 0.0, 0.0), controls=None):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
         (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
         else None)."""
-        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, temperature, top_k, top_p,
-                                                           penalties, controls), **self._extend_kw())
+        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, samp, penalties, controls),
+                                        **self._extend_kw())
         return first, (lp[0] if lp else None)
 
     def _extend_kw(self) -> dict:
         return dict(logprobs=self.max_logprobs, penalties=self.penalties)
 
-    def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, temperature: float, top_k: int,
-                     top_p: float, penalties=(1.0, 0.0, 0.0), controls=None) -> tuple:
+    def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
+                     penalties=(1.0, 0.0, 0.0), controls=None) -> tuple:
         """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
-                np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed),
-                np.float32(temperature), np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32),
+                np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
+                np.asarray(penalties, np.float32),
                 self._controls() if controls is None else controls)
 
-    def _prefill(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                 media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None):
+    def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
+                 penalties=(1.0, 0.0, 0.0), controls=None):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
-        args, kw = self._insert_args(slot, padded_1P, n, seed, temperature, top_k, top_p, media_PD, chunk,
-                                     prompt_logprobs, penalties, controls)
+        args, kw = self._insert_args(slot, padded_1P, n, seed, samp, media_PD, chunk, prompt_logprobs, penalties,
+                                     controls)
         self.state, first, *lp = insert_row(*args, **kw)
         return first, (lp[0] if lp else None)
 
-    def _insert_args(self, slot: int, padded_1P, n: int, seed: int, temperature: float, top_k: int, top_p: float,
-                     media_PD, chunk, prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0),
-                     controls=None) -> tuple:
+    def _insert_args(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk,
+                     prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
         want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
-                 np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), np.float32(temperature),
-                 np.int32(top_k), np.float32(top_p), np.asarray(penalties, np.float32), media_PD, want,
+                 np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
+                 np.asarray(penalties, np.float32), media_PD, want,
                  self._controls() if controls is None else controls),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
@@ -406,7 +417,7 @@ class SlotBackend:
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         host_bC = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:9]]).astype(np.float32)
+                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:10]]).astype(np.float32)
         # (slot_programs.HOST_COLUMNS)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
@@ -464,7 +475,7 @@ class SlotBackend:
         return (0, self.G) if self.drafter is not None else (0,)
 
     def free(self, slot: int) -> None:
-        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0)
+        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0)
 
     def free_all_params(self) -> None:
         """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""
@@ -492,7 +503,7 @@ class SlotBackend:
         n = len(ids) - kept
         padded = np.full((1, self.prompt_bucket(n)), self.cfg.pad_token_id, np.int32)
         padded[0, :n] = ids[kept:]
-        self._extend(0, row, padded, n, 0, 0.0, 0, 1.0)
+        self._extend(0, row, padded, n, 0)
         new = self.prefix.store(ids)
         if new is not None:
             self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(new))
@@ -512,10 +523,10 @@ class SlotBackend:
         out = []
         for P in self.prompt_buckets:
             padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
-            out.append((insert_row, *self._insert_args(0, padded, P, 0, 0.0, 0, 1.0, None,
+            out.append((insert_row, *self._insert_args(0, padded, P, 0, SAMPLING_OFF, None,
                                                     dispatch.prefill_chunk(P, self.prefill_chunk))))
             if self.prefix is not None:  # a prefix-cache hit's extension of this bucket
-                out.append((extend, self._extend_args(0, 0, padded, P, 0, 0.0, 0, 1.0), self._extend_kw()))
+                out.append((extend, self._extend_args(0, 0, padded, P, 0), self._extend_kw()))
         if self.prefix is not None:
             out.append((snapshot, (self.pool, self.state, np.int32(0), np.int32(0)), {}))
         for b in self.batch_buckets:
@@ -569,14 +580,14 @@ class SlotBackend:
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([bos] * P), 1))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
-                self._prefill(0, np.full((1, P), bos, np.int32), P, 0, 0.0, 0, 1.0,
+                self._prefill(0, np.full((1, P), bos, np.int32), P, 0, SAMPLING_OFF,
                               jnp.zeros((P, self.cfg.hidden_size), jnp.float32), None)
         self.prefix = kept
         if kept is not None:  # the copy into the pool and each bucket's extension, on a kept 1-token prompt
             self.insert(0, SamplingRequest((bos,), 1))
             self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(0))
             for P in self.prompt_buckets:
-                self._extend(0, 0, np.full((1, P), bos, np.int32), 1, 0, 0.0, 0, 1.0)
+                self._extend(0, 0, np.full((1, P), bos, np.int32), 1, 0)
         timings = CostTable()
         for b in self.batch_buckets:
             for w in self.widths:

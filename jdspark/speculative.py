@@ -523,7 +523,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
              prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
              max_len: Optional[int] = None, images=None, repetition_penalty: float = 1.0,
              frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Optional[dict] = None,
-             min_tokens: int = 0) -> GenerateOutput:
+             min_tokens: int = 0, min_p: float = 0.0) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
@@ -540,7 +540,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     ``repetition_penalty`` / ``frequency_penalty`` / ``presence_penalty``: ``sampling.Penalties`` (vLLM's
     semantics), applied at every position the step verifies; all off (the defaults): not compiled in.
     ``logit_bias`` ({token id: value}, OpenAI's) and ``min_tokens`` (EOS not drawn before that many tokens,
-    vLLM's): the logit controls (``sampling.penalize``), likewise at every verified position."""
+    vLLM's): the logit controls (``sampling.penalize``), likewise at every verified position. ``min_p``: tokens
+    below min_p x the likeliest's probability are not drawn (``sampling.SamplingParams``; 0: off)."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -553,7 +554,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     check_token_ids(ids, cfg.vocab_size, "prompt_ids")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
-    sp = SamplingParams(float(temperature), int(top_k), float(top_p))
+    sp = SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p))
     if not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty: expected > 0 (1: off), got {repetition_penalty}")
     pen = Penalties(float(repetition_penalty), float(frequency_penalty), float(presence_penalty))

@@ -8,8 +8,9 @@ host's dispatch is not counted), the fastest of ``--repeats`` runs, in microseco
 (a nucleus of a few tokens at top-p 0.95, as a trained model's usually are) take top-p's fast path; ``flat`` ones
 (hundreds of tokens) its bisection. The sampling operations are timed in each of ``kimi.dispatch.sampling_form``'s
 forms (``--forms``; "bisect" is the CPU's, "sort" every other backend's: ``dispatch.sampling_form_as`` sets which
-one is traced, to compare them side by side on one machine); ``accept_rejection`` is a verify
-block's (``rows`` - 1 drafts). The sort and ``jax.random.categorical`` rows are the plain operations for scale.
+one is traced, to compare them side by side on one machine); ``accept_rejection`` is a verify block's (``rows`` - 1
+drafts); ``top_p_min_p_mask`` is ``top_p_mask`` with min-p 0.05 as well. The sort and ``jax.random.categorical``
+rows are the plain operations for scale.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     if a.vocab < 2 or a.iters < 1 or a.repeats < 1 or min(a.rows) < 1:
         raise SystemExit("bench_sampling.py: --vocab >= 2, --iters >= 1, --repeats >= 1 and --rows >= 1 expected")
     sp = sampling.SamplingParams(1.0, 0, 0.95)
+    sp_min_p = sampling.SamplingParams(1.0, 0, 0.95, 0.05)  # top_p_mask's setting with min-p as well
     def accept(z, k):  # a verify block: R - 1 drafts (the argmax of a shifted q), the target's R positions
         logq = sampling.process_logits(z[:-1] + 0.5, sp)
         drafts = jnp.argmax(logq, axis=-1).astype(jnp.int32)
@@ -69,6 +71,7 @@ def main(argv=None) -> int:
     form_ops = {
         "sample_top_p": lambda z, k: sampling.sample(k, z, sp),
         "top_p_mask": lambda z, k: sampling.process_logits(z, sp),
+        "top_p_min_p_mask": lambda z, k: sampling.process_logits(z, sp_min_p),
         "propose": lambda z, k: sampling.propose(k, z, sp)[0],
         "accept_rejection": accept,
     }

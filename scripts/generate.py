@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the likeliest's probability")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-draft", action="store_true", help="plain decoding only")
     ap.add_argument("--drafter-window", type=jdspark.drafter.parse_context_window,
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         drafter = jdspark.drafter.apply_context_window(drafter, a.drafter_window)
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
-    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
               seed=a.seed, prefill_chunk=a.prefill_chunk)
 
     sys.stdout.write(prompt)
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
             result.update(spec_tok_s=runs["dspark"]["tok_s"], speedup=runs["dspark"]["tok_s"] / runs["ar"]["tok_s"],
                           accept_len=s["accept_len"], per_position_accept=s["per_position_accept"])
     how = "greedy" if a.temperature == 0 else (f"sampled: temperature {a.temperature}, top-k {a.top_k or 'off'}, "
-                                               f"top-p {a.top_p}, seed {a.seed}")
+                                               f"top-p {a.top_p}, min-p {a.min_p or 'off'}, seed {a.seed}")
     lines = [f"mode {result['mode']}, {result['new_tokens']} new tokens ({how}; {tokenizer.kind} tokenizer)"]
     st = result["stats"]
     if drafter is not None:

@@ -3,9 +3,11 @@
   temperature T > 0:  z = logits / T                       (T = 0 is greedy: argmax, no distribution)
   top-k (k > 0):      keep token i iff fewer than k tokens have a strictly larger z (so every token tied with the
                       k-th largest is kept: ties at the boundary are never broken)
-  top-p (p < 1):      over the top-k-renormalised distribution, order tokens by probability, larger first, equal
-                      probabilities by smaller index first; keep the shortest prefix of that order whose mass is
-                      >= p (the nucleus), renormalise
+  min-p (m > 0):      keep token i iff its probability (after temperature) is >= m times the largest (vLLM's
+                      min-p, applied before top-p; with top-k both are kept-sets of the same probabilities)
+  top-p (p < 1):      over the top-k- and min-p-renormalised distribution, order tokens by probability, larger
+                      first, equal probabilities by smaller index first; keep the shortest prefix of that order
+                      whose mass is >= p (the nucleus), renormalise
   speculative sampling (Leviathan et al. 2023, Chen et al. 2023): draft d ~ q is accepted with probability
                       min(1, p(d) / q(d)); after a rejection the token is drawn from norm(max(p - q, 0))
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def process(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def process(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
     """The processed distribution (probabilities, float64) of each row of logits [..., V]."""
     z = np.asarray(logits, np.float64)
     if temperature > 0:
@@ -23,6 +25,9 @@ def process(logits, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
     keep = np.ones(z.shape, bool)
     if top_k > 0:  # fewer than k tokens strictly larger
         keep = (z[..., None, :] > z[..., :, None]).sum(-1) < top_k
+    if min_p > 0:  # against the probabilities of the whole vocabulary (the ratios to the largest are the same)
+        full = _softmax_where(z, np.ones(z.shape, bool))
+        keep = keep & (full >= min_p * full.max(-1, keepdims=True))
     p = _softmax_where(z, keep)
     if top_p < 1.0:
         idx = np.broadcast_to(np.arange(V), z.shape)
@@ -42,18 +47,24 @@ def _softmax_where(z, keep):
     return e / e.sum(-1, keepdims=True)
 
 
-def top_p_margin(logits, temperature: float, top_k: int, top_p: float) -> np.ndarray:
-    """Per row, how far the nucleus' cumulative masses are from top_p (min |mass of a prefix - top_p|): rows with
-    a margin below float32 resolution are decided by rounding, not by the definition, and are not compared."""
+def top_p_margin(logits, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """Per row, how far the nucleus' cumulative masses are from top_p (min |mass of a prefix - top_p|) and, with
+    min_p, how far any token's log-ratio to the largest probability is from log(min_p): rows with a margin below
+    float32 resolution are decided by rounding, not by the definition, and are not compared."""
     z = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
     flat = z.reshape(-1, z.shape[-1])
     out = np.empty(flat.shape[0])
     for r, row in enumerate(flat):
         keep = np.ones(row.shape[0], bool) if top_k <= 0 else \
             np.array([np.sum(row > row[i]) < top_k for i in range(row.shape[0])])
+        margin = np.inf
+        if min_p > 0:
+            below = row < row.max()  # the largest (and its ties) are kept exactly, whatever min_p <= 1
+            margin = np.min(np.abs(row[below] - row.max() - np.log(min_p)), initial=np.inf)
+            keep = keep & (row - row.max() >= np.log(min_p))
         p = _softmax_where(row, keep)
         cum = np.cumsum(sorted(p, reverse=True))
-        out[r] = np.min(np.abs(cum - top_p))
+        out[r] = min(margin, np.min(np.abs(cum - top_p)) if top_p < 1 else np.inf)
     return out.reshape(z.shape[:-1])
 
 

@@ -1,6 +1,6 @@
 """jdspark.sampling against the NumPy reference written from the definitions (tests/jdspark/sampling_ref.py):
-process_logits (temperature, top-k with ties, top-p), accept_greedy, and accept_rejection (acceptance probability,
-the residual a rejected draft is replaced from, p == q, drafts past n_verify).
+process_logits (temperature, top-k with ties, min-p, top-p), accept_greedy, and accept_rejection (acceptance
+probability, the residual a rejected draft is replaced from, p == q, drafts past n_verify).
 
 Statistical checks: Pearson chi-square / binomial tests at ALPHA = 1e-4 each, fixed seeds; each test makes at most
 8 such checks, so a correct implementation fails a test with probability <= 8e-4 over the choice of seeds.
@@ -26,8 +26,9 @@ from kimi import dispatch
 from tests.jdspark import sampling_ref as ref
 
 ALPHA = 1e-4
-SETTINGS = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9), (0.5, 4, 0.8), (1.3, 0, 0.5),
-            (2.0, 7, 0.95), (0.9, 1, 1.0)]
+SETTINGS = [(1.0, 0, 1.0, 0.0), (0.7, 3, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (0.5, 4, 0.8, 0.0),
+            (1.3, 0, 0.5, 0.0), (2.0, 7, 0.95, 0.0), (0.9, 1, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (0.8, 3, 0.9, 0.3),
+            (1.5, 0, 0.95, 0.05), (1.0, 0, 1.0, 1.0)]
 
 
 def _rows(seed: int, R: int = 64, V: int = 16) -> np.ndarray:
@@ -38,17 +39,28 @@ def _rows(seed: int, R: int = 64, V: int = 16) -> np.ndarray:
     return np.concatenate([cont, ties]).astype(np.float32)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_process_logits_matches_the_reference(temperature, top_k, top_p, sampling_form):
-    logits = _rows(int(temperature * 10) + top_k)
-    got = np.exp(np.asarray(process_logits(jnp.asarray(logits), SamplingParams(temperature, top_k, top_p))))
-    want = ref.process(logits, temperature, top_k, top_p)
-    decided = ref.top_p_margin(logits, temperature, top_k, top_p) > 1e-5 if top_p < 1 else np.ones(len(logits), bool)
-    assert decided.mean() > 0.9  # rows within rounding of the top-p boundary are few (and not compared)
-    np.testing.assert_array_equal(got[decided] > 0, want[decided] > 0, err_msg="kept sets differ")
-    np.testing.assert_allclose(got[decided], want[decided], atol=2e-6, rtol=1e-5)
-    if top_k and top_p == 1.0:  # ties at the k-th value are kept: some integer rows keep more than k tokens
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", SETTINGS)
+def test_process_logits_matches_the_reference(temperature, top_k, top_p, min_p, sampling_form):
+    """Static and per-row parameters (the rows all alike) against the reference; min-p removes tokens the other
+    filters keep (rows at its bound by rounding excluded, as at top-p's)."""
+    logits = _rows(int(temperature * 10) + top_k + int(100 * min_p))
+    want = ref.process(logits, temperature, top_k, top_p, min_p)
+    decided = (ref.top_p_margin(logits, temperature, top_k, top_p, min_p) > 1e-5 if top_p < 1 or min_p > 0
+               else np.ones(len(logits), bool))
+    assert decided.mean() > 0.9  # rows within rounding of the top-p / min-p boundary are few (and not compared)
+    R = len(logits)
+    for sp in (SamplingParams(temperature, top_k, top_p, min_p),
+               SamplingParams.rows(*(np.full(R, x) for x in (temperature, top_k, top_p, min_p)))):
+        got = np.exp(np.asarray(process_logits(jnp.asarray(logits), sp)))
+        np.testing.assert_array_equal(got[decided] > 0, want[decided] > 0, err_msg="kept sets differ")
+        np.testing.assert_allclose(got[decided], want[decided], atol=2e-6, rtol=1e-5)
+    if top_k and top_p == 1.0 and min_p == 0:  # ties at the k-th value are kept: some rows keep more than k tokens
         assert ((want > 0).sum(-1) > top_k).any()
+    if min_p > 0:  # min-p bites: fewer tokens than without it; at 1, only the largest (and ties with it)
+        without = ref.process(logits, temperature, top_k, top_p)
+        assert ((want > 0).sum(-1) < (without > 0).sum(-1)).mean() > 0.25
+        if min_p == 1.0:
+            np.testing.assert_array_equal(want > 0, logits == logits.max(-1, keepdims=True))
 
 
 @pytest.mark.parametrize("logits,top_k,top_p,kept", [
@@ -131,25 +143,25 @@ def test_draw_blocks_follows_the_weights():
         assert ref.pearson_pvalue(counts, w[r] / w[r].sum()) > ALPHA, r
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_propose_draws_its_q_a_near_nucleus_of_the_processed_distribution(temperature, top_k, top_p):
-    """propose: q holds >= top_p of the tempered, top-k-masked mass and contains process_logits's nucleus (so it
-    is process_logits's distribution when top_p = 1), per-row parameters give the static rows' q and greedy rows
-    their argmax, and the drawn tokens follow q (Pearson, ALPHA)."""
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", SETTINGS)
+def test_propose_draws_its_q_a_near_nucleus_of_the_processed_distribution(temperature, top_k, top_p, min_p):
+    """propose: q holds >= top_p of the tempered, top-k- and min-p-masked mass and contains process_logits's
+    nucleus (so it is process_logits's distribution when top_p = 1), per-row parameters give the static rows' q
+    and greedy rows their argmax, and the drawn tokens follow q (Pearson, ALPHA)."""
     V = 300
     z = np.random.default_rng(31).normal(0, 2, (4, V)).astype(np.float32)
-    sp = SamplingParams(temperature, top_k, top_p)
+    sp = SamplingParams(temperature, top_k, top_p, min_p)
     _, logq = propose(jax.random.key(0), jnp.asarray(z), sp)
     q = np.exp(np.asarray(logq))
     want = np.exp(np.asarray(process_logits(jnp.asarray(z), sp)))
     np.testing.assert_allclose(q.sum(-1), 1.0, atol=1e-5)
     assert np.all((q > 0) >= (want > 0))  # the nucleus is inside q's support
-    tk = np.exp(np.asarray(process_logits(jnp.asarray(z), SamplingParams(temperature, top_k, 1.0))))
+    tk = np.exp(np.asarray(process_logits(jnp.asarray(z), SamplingParams(temperature, top_k, 1.0, min_p))))
     kept = np.where(q > 0, tk, 0.0).sum(-1)
     assert np.all(kept >= top_p - 1e-5), kept
     if top_p == 1.0:
         np.testing.assert_allclose(q, want, atol=1e-6)
-    rows = SamplingParams.rows([temperature, 0.0, temperature, temperature], [top_k] * 4, [top_p] * 4)
+    rows = SamplingParams.rows([temperature, 0.0, temperature, temperature], [top_k] * 4, [top_p] * 4, [min_p] * 4)
     tok_r, logq_r = propose(jax.random.key(0), jnp.asarray(z), rows)
     np.testing.assert_allclose(np.exp(np.asarray(logq_r))[[0, 2, 3]], q[[0, 2, 3]], atol=1e-6)
     assert int(tok_r[1]) == int(z[1].argmax())

@@ -69,7 +69,7 @@ def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None, 
         before = np.cumsum(hot, axis=1) - hot
         logits = sampling_ref.penalize(logits, before, np.isin(np.arange(V), prompt), penalties.repetition,
                                        penalties.frequency, penalties.presence, **controls)
-    return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p)
+    return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
 
 
 def _position_pvalues(draws, law) -> list:
@@ -169,7 +169,8 @@ def _slots_draws(target, drafter, prompt, sp: SamplingParams, n: int, T: int):
     be.costs = monotone_costs({(n, w): 1.0 + 0.45 * (w - 1) for w in be.widths})
     out = [[] for _ in range(n)]
     for s in range(n):
-        out[s] += be.insert(s, SamplingRequest(tuple(prompt), T, sp.temperature, sp.top_p, sp.top_k, seed=s)).tokens
+        out[s] += be.insert(s, SamplingRequest(tuple(prompt), T, sp.temperature, sp.top_p, sp.top_k, seed=s,
+                                               min_p=sp.min_p)).tokens
     cycle, t, drafted, accepted = (3, 1, 5), 0, 0, 0
     while min(len(o) for o in out) < T:
         res = be.step(list(range(n)), width=None if t % 2 == 0 else cycle[(t // 2) % len(cycle)])
@@ -183,7 +184,8 @@ def _slots_draws(target, drafter, prompt, sp: SamplingParams, n: int, T: int):
 def test_serving_slots_sample_the_target_law_at_every_width(law_pair):
     """The slots backend's sampled tokens follow the target's processed law at every position, with verify widths
     chosen by the adaptive scheduler (from the previous step's survival: lossless) and cycled through 1, 3, 5,
-    1000 rows in one batch. 8 positions x 2 checks at ALPHA: false-failure rate <= 1.6e-3.
+    1000 rows in one batch, each request's top-p and min-p carried by the host columns. 8 positions x 2 checks at
+    ALPHA: false-failure rate <= 1.6e-3.
 
     In this CPU's sampling form ("bisect", ``dispatch.sampling_form``) only: the other ("sort", a GPU's) differs in
     the primitives alone (the nucleus and the draw), whose laws are tested in both forms (test_sampling.py:
@@ -191,7 +193,7 @@ def test_serving_slots_sample_the_target_law_at_every_width(law_pair):
     both (test_sampling_rows.py); what this test adds, the slots' keys, widths and commits, is the same code in
     either form. (Run in both it cost ~33 s of a cold CI run each.)"""
     target, drafter = law_pair
-    sp = SamplingParams(1.0, 0, 0.8)
+    sp = SamplingParams(1.0, 0, 0.9, 0.75)  # the law is flat here (p within ~1.5x of the largest): min-p bites
     prompt = [3, 5, 4]
     assert kimi.dispatch.sampling_form() == "bisect"
     draws, be, drafted, accepted = _slots_draws(target, drafter, prompt, sp, N_SLOTS_LAW, 8)
@@ -200,6 +202,7 @@ def test_serving_slots_sample_the_target_law_at_every_width(law_pair):
     assert 0 < accepted < drafted  # drafts both accepted and rejected
     assert all(be.width_counts[w] > 0 for w in be.widths)
     law = _conditional_law(target, prompt, draws, sp)
+    assert np.abs(law - _conditional_law(target, prompt, draws, SamplingParams(1.0, 0, 0.9))).max() > 0.05  # min-p
     pv = _position_pvalues(draws, law)
     bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
     assert not bad, f"positions failing (token, rank) p-values: {bad}"

@@ -83,6 +83,15 @@ def test_min_tokens_holds_stop_strings_back(srv):
     assert srv.backend.requests[-1].stop_token_ids == ()  # an EOS that ends nothing is not held back (vLLM)
 
 
+def test_min_p_reaches_the_backend(srv):
+    """vLLM's min_p: validated, and handed to the backend with the request (0 when absent or null)."""
+    for body, want in (({"min_p": 0.05}, 0.05), ({"min_p": 1}, 1.0), ({}, 0.0), ({"min_p": None}, 0.0)):
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 1.0,
+                                                          **body})
+        assert r.status_code == 200, r.text
+        assert srv.backend.requests[-1].min_p == want
+
+
 def test_stop_token_ids_end_a_request_as_eos_does(srv):
     """vLLM's stop_token_ids: the answer ends at the first of them ("stop"), the id counted and its text not shown."""
     for stream in (False, True):
@@ -182,6 +191,8 @@ BAD = [
     ({"prompt": "x", "temperature": -0.5}, "'temperature' must be a number >= 0", "temperature", 400),
     ({"prompt": "x", "top_p": 0}, "'top_p' must be a number in (0, 1]", "top_p", 400),
     ({"prompt": "x", "top_p": 1.5}, "'top_p' must be a number in (0, 1]", "top_p", 400),
+    ({"prompt": "x", "min_p": 1.5}, "'min_p' must be a number in [0, 1] (0: off)", "min_p", 400),
+    ({"prompt": "x", "min_p": "0.1"}, "'min_p' must be a number in [0, 1]", "min_p", 400),
     ({"prompt": [1, 999]}, "outside the vocabulary", "prompt", 400),
     ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean", "stream", 400),
     ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),

@@ -145,18 +145,23 @@ def test_multi_step_launch_equals_single_steps(pair, backend):
 def test_sampled_slot_equals_generate(pair, backend):
     """A sampled request alone in the backend (one active slot of four, fixed width) draws what batch-1 generate
     draws with the same seed: with top-p, with a top-k (the launch packs it into float32 with the other per-row
-    inputs), and with a top-k beyond the vocabulary (the same as none: clamped to V, never overflowing int32)."""
+    inputs), with a top-k beyond the vocabulary (the same as none: clamped to V, never overflowing int32), and with
+    min-p (a per-row column of the launch, a static setting of generate's program)."""
     target, drafter, tok = pair
     ids = tuple(int(x) for x in _prompts(2, 32, target.config.vocab_size)[1])
     be = backend
-    for top_k, ref_top_k in ((0, 0), (37, 37), (10**12, 0)):
-        sp = SamplingRequest(ids, MAX_NEW, temperature=1.0, top_p=0.95, top_k=top_k, seed=1, spec_mode="fixed")
+    outs = []
+    for top_k, ref_top_k, min_p in ((0, 0, 0.0), (37, 37, 0.0), (10**12, 0, 0.0), (0, 0, 0.1)):
+        sp = SamplingRequest(ids, MAX_NEW, temperature=1.0, top_p=0.95, top_k=top_k, seed=1, spec_mode="fixed",
+                             min_p=min_p)
         out = be.insert(2, sp).tokens
         while len(out) < MAX_NEW:
             out += be.step([2])[2].tokens
         ref = jdspark.generate(target, drafter, np.array(ids), max_new_tokens=MAX_NEW, seed=1, temperature=1.0,
-                               top_p=0.95, top_k=ref_top_k, eos_token_id=-1)
-        assert out[:MAX_NEW] == list(ref.tokens), top_k
+                               top_p=0.95, top_k=ref_top_k, eos_token_id=-1, min_p=min_p)
+        assert out[:MAX_NEW] == list(ref.tokens), (top_k, min_p)
+        outs.append(out[:MAX_NEW])
+    assert outs[3] != outs[0]  # min-p changed the draws (same seed)
 
 
 def test_adaptive_re_times_a_width_it_has_not_run(backend):
