@@ -70,10 +70,11 @@ class SamplingRequest:
     stop_token_ids: tuple = ()  # ids that end the request as EOS does (vLLM's; the server adds EOS unless the
     # request ignores it), which min_tokens holds back
     min_p: float = 0.0  # ``sampling.SamplingParams.min_p`` (0: off)
+    allowed_token_ids: tuple = ()  # vLLM's: the only tokens that may be drawn (empty: all), a logit control
 
     @property
     def has_controls(self) -> bool:
-        return bool(self.logit_bias) or self.min_tokens > 0
+        return bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids)
 
 
 @dataclasses.dataclass
@@ -146,15 +147,16 @@ class Request:
         return combined_usage([self])
 
 
-def combined_usage(reqs: Sequence[Request]) -> dict:
-    """The ``usage`` of one response whose choices are ``reqs`` (the API's ``n``: one prompt, n completions): the
-    prompt counted once (its cached tokens: the first choice's, the one that prefilled it), completion tokens,
-    drafts and accepted drafts summed, ``accept_len`` over all their target steps (SGLang's per-request spec stats)."""
-    first = reqs[0]
-    p, n = len(first.sampling.prompt_ids), sum(len(r.output_ids) for r in reqs)
+def combined_usage(reqs: Sequence[Request], firsts: Optional[Sequence[Request]] = None) -> dict:
+    """The ``usage`` of one response whose choices are ``reqs`` (the API's ``n``: a prompt, n completions; a list of
+    prompts: ``firsts`` the first completion of each, default ``reqs[0]`` alone): each prompt counted once (its
+    cached tokens: its first choice's, the one that prefilled it), completion tokens, drafts and accepted drafts
+    summed, ``accept_len`` over all their target steps (SGLang's per-request spec stats)."""
+    firsts = reqs[:1] if firsts is None else firsts
+    p, n = sum(len(r.sampling.prompt_ids) for r in firsts), sum(len(r.output_ids) for r in reqs)
     drafted, accepted, steps = (sum(getattr(r, f) for r in reqs) for f in ("drafted", "accepted", "steps"))
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
-            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}, "drafted": drafted,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)}, "drafted": drafted,
             "accepted": accepted, "accept_len": (accepted + steps) / steps if steps else 0.0}
 
 

@@ -138,7 +138,7 @@ def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties, bias_V=None, stop_V
     each token was generated before each position, ``prompt_V`` [V] bool the prompt's tokens. Then, with ``bias_V``
     (float32 [V]; None: none), the request's logit controls (OpenAI's / vLLM's):
 
-        logit_bias:  z + bias_V
+        logit_bias:  z + bias_V  (-inf outside a request's allowed_token_ids)
         min_tokens:  -inf at the ids of ``stop_V`` ([V] bool: EOS) where n < ``min_tokens``, n = sum_v counts_XV
                      (the tokens generated before the position)
 
@@ -166,17 +166,20 @@ def penalize(logits_XV, counts_XV, prompt_V, pen: Penalties, bias_V=None, stop_V
 
 
 class LogitControls(NamedTuple):
-    """A request's logit_bias and min_tokens as a stream carries them (``sampling.penalize``'s equations)."""
-    bias_V: jax.Array  # float32 [V]: added to the target's logits
+    """A request's logit_bias, allowed_token_ids and min_tokens as a stream carries them (``sampling.penalize``'s
+    equations)."""
+    bias_V: jax.Array  # float32 [V]: added to the target's logits (-inf: a token not allowed)
     stop_V: jax.Array  # bool [V]: the ids (EOS) that get -inf while fewer than min_tokens tokens are out
     min_tokens: jax.Array  # int32
 
 
 def logit_controls(vocab_size: int, logit_bias: Optional[dict], min_tokens: int, stop_ids=(),
-                   always: bool = False) -> Optional[LogitControls]:
+                   always: bool = False, allowed_ids=()) -> Optional[LogitControls]:
     """A request's ``LogitControls`` as host arrays (None where it asks for none, unless ``always``): ``logit_bias``
     {token id: value} (ids in the vocabulary, finite values), ``min_tokens`` >= 0 holding back ``stop_ids`` (EOS;
-    ids outside the vocabulary, such as -1 for none, are dropped). A bad value is a ValueError naming it."""
+    ids outside the vocabulary, such as -1 for none, are dropped), ``allowed_ids`` (vLLM's allowed_token_ids; empty:
+    every token) the only tokens that may be drawn. A bad value is a ValueError naming it, as is a request that
+    leaves no token to draw (every allowed id held back by min_tokens)."""
     bias = np.zeros((vocab_size,), np.float32)
     for t, v in (logit_bias or {}).items():
         if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab_size:
@@ -186,12 +189,19 @@ def logit_controls(vocab_size: int, logit_bias: Optional[dict], min_tokens: int,
         bias[int(t)] = v
     if not isinstance(min_tokens, (int, np.integer)) or min_tokens < 0:
         raise ValueError(f"min_tokens: expected an int >= 0, got {min_tokens!r}")
-    if not (always or logit_bias or min_tokens):
+    if len(allowed_ids):
+        ok = np.asarray(allowed_ids)
+        if ok.dtype.kind not in "iu" or ok.ndim != 1 or ok.min() < 0 or ok.max() >= vocab_size:
+            raise ValueError(f"allowed_ids: expected token ids in [0, {vocab_size}), got {list(allowed_ids)[:8]}")
+        bias = np.where(np.isin(np.arange(vocab_size), ok), bias, -np.inf).astype(np.float32)
+    if not (always or logit_bias or min_tokens or len(allowed_ids)):
         return None
     stop = np.zeros((vocab_size,), bool)
     for t in stop_ids:
         if 0 <= int(t) < vocab_size:
             stop[int(t)] = True
+    if min_tokens and not np.any(np.isfinite(bias) & ~stop):
+        raise ValueError("allowed_ids: every allowed token is a stop token held back by min_tokens: nothing to draw")
     return LogitControls(bias, stop, np.int32(min_tokens))
 
 

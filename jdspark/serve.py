@@ -67,7 +67,7 @@ from jdspark.logprobs import MAX_LOGPROBS
 from jdspark.prefix import tree_bytes
 from jdspark.serve_media import MediaError
 from jdspark.serve_metrics import ServeMetrics
-from jdspark.serve_request import ApiError, check_body, get_field, parse_completion, prompt_ids
+from jdspark.serve_request import ApiError, check_body, get_field, parse_completion, prompt_ids, split_prompts
 from jdspark.serve_stream import Mailbox, collect, logprobs_object, sse
 from jdspark.slots import SlotBackend, multi_step_plan
 
@@ -113,12 +113,12 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
     @app.post("/tokenize")
     async def tokenize(request: Request):
         """vLLM's: a completion's ``prompt`` or a chat's ``messages`` (``add_generation_prompt``, default true;
-        ``tools``) as this server would prefill them: {"count", "max_model_len", "tokens"}."""
+        ``continue_final_message``, ``chat_template_kwargs``, ``tools``) as this server would prefill them:
+        {"count", "max_model_len", "tokens"}."""
         try:
             body = await json_body(request)
             check_body(body, model_name)
-            add = get_field(body, "add_generation_prompt", (bool,), True, what="a boolean")
-            ids = prompt_ids(body, tokenizer, vocab_size, "messages" in body, vision, tool_parser, None, add)[0]
+            ids = prompt_ids(body, tokenizer, vocab_size, "messages" in body, vision, tool_parser, None)[0]
         except MediaError as e:
             return err(ApiError(400, e.message, e.param, code=e.code))
         except ApiError as e:
@@ -145,30 +145,38 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return err(ApiError(503, "warming up: compiling", type_="server_error"))
         try:
             body = await json_body(request)
-            q = parse_completion(
-                body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
+            qs = [parse_completion(
+                b, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
                 chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
                 max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties)
+                for b in ([body] if chat else split_prompts(body))]
         except ApiError as e:
             return err(e)
-        if q.best_of > engine.max_waiting:
-            name = "best_of" if q.best_of > q.n else "n"
-            return err(ApiError(400, f"'{name}' = {q.best_of} completions can never be queued together (the queue "
-                                     f"holds {engine.max_waiting})", name))
-        # best_of > n: every completion's own log-probabilities rank them (asked or not)
-        ranked = q.sampling if q.best_of == q.n or q.sampling.logprobs is not None else dataclasses.replace(
-            q.sampling, logprobs=0)
-        if not q.ignore_eos and engine.eos is not None and engine.eos not in ranked.stop_token_ids:
-            ranked = dataclasses.replace(ranked, stop_token_ids=ranked.stop_token_ids + (engine.eos,))  # min_tokens
+        q = qs[0]  # the prompts' bodies differ only in the prompt
+        if len(qs) * q.best_of > engine.max_waiting:
+            name = "best_of" if q.best_of > q.n else ("n" if len(qs) == 1 else "prompt")
+            return err(ApiError(400, f"{len(qs)} prompt(s) x {q.best_of} completions can never be queued together "
+                                     f"(the queue holds {engine.max_waiting})", name))
         loop = asyncio.get_running_loop()
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
-        reqs = [EngineRequest(ranked if i == 0 else dataclasses.replace(ranked, seed=(ranked.seed + i) % 2 ** 63),
-                              lambda ev, i=i: mailbox.post(events, (i, ev)), stop=q.stop, ignore_eos=q.ignore_eos,
-                              include_stop_str=q.include_stop_str,
-                              keep_special=(markers if q.tools else frozenset())
-                              | (think if q.reasoning is not None else frozenset()))
-                for i in range(q.best_of)]
+        keep = ((markers if q.tools else frozenset()) | (think if q.reasoning is not None else frozenset())
+                | (frozenset() if q.skip_special else frozenset(tokenizer.special_ids)))
+        reqs = []  # prompt k's completions are reqs[k * best_of:(k + 1) * best_of] (vLLM's choice order)
+        for x in qs:
+            # best_of > n: every completion's own log-probabilities rank them (asked or not)
+            ranked = x.sampling if x.best_of == x.n or x.sampling.logprobs is not None else dataclasses.replace(
+                x.sampling, logprobs=0)
+            if not x.ignore_eos and engine.eos is not None and engine.eos not in ranked.stop_token_ids:
+                ranked = dataclasses.replace(ranked, stop_token_ids=ranked.stop_token_ids + (engine.eos,))
+            for j in range(x.best_of):
+                i = len(reqs)
+                reqs.append(EngineRequest(
+                    ranked if j == 0 else dataclasses.replace(ranked, seed=(ranked.seed + j) % 2 ** 63),
+                    lambda ev, i=i: mailbox.post(events, (i, ev)), stop=x.stop, ignore_eos=x.ignore_eos,
+                    include_stop_str=x.include_stop_str, keep_special=keep))
+        firsts = reqs[::q.best_of]  # each prompt's first completion: its prompt counted once in usage
+        echoes = [x.echo for x in qs for _ in range(x.best_of)]
         try:
             engine.submit_all(reqs)
         except QueueFull as e:
@@ -179,34 +187,40 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         obj = "chat.completion" if chat else "text_completion"
         if q.stream:
             return StreamingResponse(sse(request, engine, reqs, events, chat, created, model_name, q.include_usage,
-                                         tokenizer, q.echo, q.tools, q.reasoning), media_type="text/event-stream")
+                                         tokenizer, echoes, q.tools, q.reasoning, firsts),
+                                     media_type="text/event-stream")
         got = await collect(request, engine, reqs, events)
         if got is None:
             return Response(status_code=499)
         failed = next((c.last.error for c in got if c.last.error is not None), None)
         if failed is not None:
             return err(ApiError(400, failed, "prompt"))
-        if q.best_of > q.n:  # the n with the highest mean log-probability per token (OpenAI's "best"), in order
-            got = sorted(got, key=lambda c: -c.mean_logprob)[:q.n]
         choices = []
-        for i, c in enumerate(got):
-            choice = {"index": i, "finish_reason": c.last.finish_reason, "stop_reason": c.last.stop_reason,
-                      "logprobs": logprobs_object(tokenizer, chat, q.sampling.logprobs, c.ids, c.entries, 0)}
-            if chat:
-                thought, content = (None, "".join(c.text)) if q.reasoning is None else reasoning.split(
-                    "".join(c.text), q.reasoning)
-                content, calls = tool_calls.parse(content) if q.tools else (content, [])
-                choice["message"] = {"role": "assistant", "content": content}
-                if q.reasoning is not None:
-                    choice["message"]["reasoning_content"] = thought
-                if calls:  # as vLLM: whatever ended the text, its calls are the answer
-                    choice["message"]["tool_calls"] = [call.as_api() for call in calls]
-                    choice["finish_reason"] = "tool_calls"
-            else:
-                choice["text"] = (q.echo or "") + "".join(c.text)
-            choices.append(choice)
+        for k, x in enumerate(qs):
+            group = got[k * x.best_of:(k + 1) * x.best_of]
+            if x.best_of > x.n:  # the n with the highest mean log-probability per token (OpenAI's "best"), in order
+                group = sorted(group, key=lambda c: -c.mean_logprob)[:x.n]
+            choices += [_choice(x, c, len(choices) + i, chat) for i, c in enumerate(group)]
         return {"id": reqs[0].id, "object": obj, "created": created, "model": model_name, "choices": choices,
-                "usage": combined_usage(reqs)}
+                "usage": combined_usage(reqs, firsts)}
+
+    def _choice(q, c, index: int, chat: bool) -> dict:
+        """One choice of a non-streamed response: completion ``c`` of the request ``q`` (a ``Parsed``)."""
+        choice = {"index": index, "finish_reason": c.last.finish_reason, "stop_reason": c.last.stop_reason,
+                  "logprobs": logprobs_object(tokenizer, chat, q.sampling.logprobs, c.ids, c.entries, 0)}
+        if chat:
+            thought, content = (None, "".join(c.text)) if q.reasoning is None else reasoning.split(
+                "".join(c.text), q.reasoning)
+            content, calls = tool_calls.parse(content) if q.tools else (content, [])
+            choice["message"] = {"role": "assistant", "content": content}
+            if q.reasoning is not None:
+                choice["message"]["reasoning_content"] = thought
+            if calls:  # as vLLM: whatever ended the text, its calls are the answer
+                choice["message"]["tool_calls"] = [call.as_api() for call in calls]
+                choice["finish_reason"] = "tool_calls"
+        else:
+            choice["text"] = (q.echo or "") + "".join(c.text)
+        return choice
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -12,12 +12,14 @@ import math
 from typing import Any, NamedTuple, Optional
 
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 
 from jdspark import reasoning
 from jdspark.engine import SamplingRequest
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 
-__all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids"]
+__all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids",
+           "split_prompts"]
 
 
 class ApiError(Exception):
@@ -48,6 +50,12 @@ def get_field(body: dict, name: str, kinds, default, check=None, what: str = "")
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
     "suffix": ("",), "prompt_logprobs": (0,), "functions": ([],), "response_format": ({"type": "text"},),
+    # vLLM's extra fields: beam search, structured outputs (constrained decoding is not built), multi-token bans,
+    # custom logits processors, embeddings as prompts, token ids spelled as strings, scheduling priority
+    "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "bad_words": ([],),
+    "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,), "priority": (0,),
+    "spaces_between_special_tokens": (True,), "documents": ([],),
 }
 
 
@@ -56,8 +64,8 @@ def _reject_unsupported(body: dict) -> None:
         v = body.get(name)
         if v is None or any(v == o and type(v) is type(o) for o in ok):
             continue
-        shown = ", ".join(json.dumps(o) for o in ok)
-        raise ApiError(400, f"'{name}' = {json.dumps(v)[:60]} is not supported by this server (it accepts null or "
+        shown = "".join(f" or {json.dumps(o)}" for o in ok)
+        raise ApiError(400, f"'{name}' = {json.dumps(v)[:60]} is not supported by this server (it accepts null"
                             f"{shown}, which ask for nothing)", name, code="unsupported")
 
 
@@ -74,6 +82,7 @@ class Parsed(NamedTuple):
     tools: bool = False  # the tools were rendered: the answer's tool calls are parsed (``jdspark.tool_calls``)
     reasoning: Optional[bool] = None  # chat with a reasoning parser: whether the prompt opened the think block
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output
+    skip_special: bool = True  # vLLM's skip_special_tokens: special tokens' names left out of the text
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -190,6 +199,16 @@ def _message(m: dict, i: int, vision) -> tuple:
     return out, imgs
 
 
+def split_prompts(body) -> list:
+    """A completions body per prompt: OpenAI's ``prompt`` may be a list of prompts (strings, or lists of token ids),
+    each answered with its own choices; any other body is itself (``parse_completion`` checks it)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(isinstance(p, list) for p in prompt)):
+        return [{**body, "prompt": p} for p in prompt]
+    return [body]
+
+
 def check_body(body, model_name: str) -> None:
     """A request body is a JSON object naming this server's model, or none."""
     if not isinstance(body, dict):
@@ -200,11 +219,44 @@ def check_body(body, model_name: str) -> None:
                        code="model_not_found")
 
 
-def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_parser, reasoning_parser,
-            add_generation_prompt: bool = True) -> tuple:
+def _render_options(body: dict) -> tuple:
+    """A chat body's rendering options (vLLM's): ``add_generation_prompt`` (default true),
+    ``continue_final_message`` (default false: the final message left open, for the model to continue it; not with
+    a generation prompt), ``chat_template_kwargs`` (more variables for the template, such as a thinking switch).
+    Returns (add_generation_prompt, continue_final_message, the kwargs)."""
+    add = get_field(body, "add_generation_prompt", (bool,), True, what="a boolean")
+    cont = get_field(body, "continue_final_message", (bool,), False, what="a boolean")
+    if add and cont:
+        raise ApiError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (send "
+                            "\"add_generation_prompt\": false to continue the final message)", "continue_final_message")
+    kw = get_field(body, "chat_template_kwargs", (dict,), {}, what="an object")
+    taken = sorted(set(kw) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token"})
+    if taken:
+        raise ApiError(400, f"'chat_template_kwargs': {taken[0]!r} is set by the request itself, not a template "
+                            "keyword", "chat_template_kwargs")
+    return add, cont, kw
+
+
+def _continue_final(rendered: str, final: str) -> str:
+    """The rendered chat cut right after the final message's text, so the model continues that message (what
+    transformers' ``continue_final_message`` does): where the template kept the message's trailing whitespace, after
+    it, else after its stripped text."""
+    core = final.strip()
+    if not core or core not in rendered:
+        raise ApiError(400, "'continue_final_message': the final message's text must be non-empty and appear in the "
+                            "rendered chat (this template drops it)", "messages")
+    at = rendered.rindex(core)
+    start = at - (len(final) - len(final.lstrip()))  # where the unstripped message would begin
+    if start >= 0 and rendered[start:start + len(final)] == final:
+        return rendered[:start + len(final)]
+    return rendered[:at + len(core)]
+
+
+def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_parser, reasoning_parser) -> tuple:
     """A request's prompt ids: chat ``messages`` rendered by the chat template (with ``tools``, images expanded to
-    their placeholders), or a completion's ``prompt`` (text or token ids). Returns (ids, the prompt's text for an
-    echo, the images' VisionInput or None, the tools or None, whether the rendered prompt opened a think block)."""
+    their placeholders, ``_render_options``), or a completion's ``prompt`` (text or token ids). Returns (ids, the
+    prompt's text for an echo, the images' VisionInput or None, the tools or None, whether the rendered prompt
+    opened a think block)."""
     echo_text = None
     if chat:
         msgs = body.get("messages")
@@ -219,8 +271,14 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ApiError(400, f"messages[{i}] must be an object with string 'role' and 'content'", "messages")
         tools = _tools(body, chat, tokenizer, tool_parser)
-        rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
-                                                 **({} if tools is None else {"tools": tools}))
+        add, cont, template_kw = _render_options(body)
+        try:
+            rendered = tokenizer.apply_chat_template(msgs, add_generation_prompt=add, **template_kw,
+                                                     **({} if tools is None else {"tools": tools}))
+        except TemplateError as e:  # the template's own raise_exception: what it refuses, said by it
+            raise ApiError(400, f"the chat template refused the request: {e}", "messages") from None
+        if cont:
+            rendered = _continue_final(rendered, msgs[-1]["content"])
         started = None if reasoning_parser is None else reasoning.started_by(rendered)
         if images:
             ids, vin = encode_with_images(tokenizer, rendered, images, vision)
@@ -245,7 +303,8 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
             ids = list(prompt)
             echo_text = tokenizer.decode(ids)
         else:
-            raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids", "prompt")
+            raise ApiError(400, "'prompt' must be a string, a non-empty list of token ids, or a non-empty list of "
+                                "either (one per prompt)", "prompt")
     return ids, echo_text, vin, tools, started
 
 
@@ -261,6 +320,16 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                                                      reasoning_parser)
     if not ids:
         raise ApiError(400, "the prompt is empty", "prompt")
+    keep = get_field(body, "truncate_prompt_tokens", (int,), None, lambda v: v >= 1 or v == -1,
+                     "an integer >= 1, or -1 (the longest prompt this server takes)")
+    if keep is not None:  # vLLM's: the prompt's last ``keep`` tokens
+        keep = (max_prompt or max_context) if keep == -1 else keep
+        if len(ids) > keep:
+            if vin is not None:
+                raise ApiError(400, "'truncate_prompt_tokens' would cut a prompt with images (their placeholders "
+                                    "must stay whole)", "truncate_prompt_tokens", code="unsupported")
+            ids = ids[-keep:]
+            echo_text = tokenizer.decode(ids) if echo else echo_text
     if max_prompt is not None and len(ids) > max_prompt:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt} (its largest "
                             "prompt bucket)", "prompt")
@@ -302,13 +371,17 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         ("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
         ("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"))}
     logit_bias = _logit_bias(body, vocab_size)
+    allowed = get_field(body, "allowed_token_ids", (list,), [], lambda v: all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in v),
+        f"a list of token ids in [0, {vocab_size})")
     stop_ids = get_field(body, "stop_token_ids", (list,), [], lambda v: all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in v),
         f"a list of token ids in [0, {vocab_size})")
     min_tokens = get_field(body, "min_tokens", (int,), 0, lambda v: 0 <= v <= max_tokens,
                            f"an integer in 0..max_tokens ({max_tokens})")
     asked = [k for k, v in penalties.items() if v != (1.0 if k == "repetition_penalty" else 0.0)]
-    asked += ["logit_bias"] * bool(logit_bias) + ["min_tokens"] * bool(min_tokens)
+    asked += (["logit_bias"] * bool(logit_bias) + ["min_tokens"] * bool(min_tokens)
+              + ["allowed_token_ids"] * bool(allowed))
     if asked and not penalties_served:
         raise ApiError(400, f"'{asked[0]}': penalties and logit controls are off on this server (start it with "
                             "--penalties)", asked[0], code="unsupported")
@@ -324,6 +397,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=logprobs if echo else None, logit_bias=logit_bias,
                          min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), min_p=min_p,
-                         **penalties)
+                         allowed_token_ids=tuple(sorted(set(allowed))), **penalties)
+    skip_special = get_field(body, "skip_special_tokens", (bool,), True, what="a boolean")
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
-                  int(best_of), tools is not None, started, bool(include_stop_str))
+                  int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special))

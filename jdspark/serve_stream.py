@@ -117,16 +117,18 @@ async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Opt
 
 
 async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool, created: int, model_name: str,
-              include_usage: bool, tokenizer, echo: Optional[str] = None, tools: bool = False,
-              thinking: Optional[bool] = None):
+              include_usage: bool, tokenizer, echoes: Optional[Sequence] = None, tools: bool = False,
+              thinking: Optional[bool] = None, firsts: Optional[Sequence] = None):
     """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice.
+    ``echoes``: per choice, its prompt's text to send first (None: none); ``firsts``: ``combined_usage``'s.
     ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls streamed as deltas);
     ``thinking`` (not None: the prompt opened a think block or not), first through a ``jdspark.reasoning.Splitter``
     (its reasoning sent as ``delta.reasoning_content``, the answer on to the tool splitter)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     rid = reqs[0].id
     sent = [0] * len(reqs)  # characters of text streamed so far, per choice (completions' text_offset)
-    echoed = [echo is None] * len(reqs)
+    echoes = [None] * len(reqs) if echoes is None else list(echoes)
+    echoed = [e is None for e in echoes]
     finished = [False] * len(reqs)
     splitters = [Splitter() for _ in reqs] if tools else None
     thinkers = None if thinking is None else [reasoning.Splitter(thinking) for _ in reqs]
@@ -159,7 +161,8 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
         """Append choice ``i``'s SSE events for ``ev`` to ``out``; True when the whole stream has ended."""
         if not echoed[i]:  # the prompt first (and its log-probabilities: the first event carries them)
             echoed[i] = True
-            out.append(chunk(i, echo, None, ids=list(reqs[i].sampling.prompt_ids), entries=ev.prompt_logprobs))
+            out.append(chunk(i, echoes[i], None, ids=list(reqs[i].sampling.prompt_ids),
+                             entries=ev.prompt_logprobs))
         thought, text = ("", ev.text) if thinkers is None else thinkers[i].feed(ev.text)
         text, calls = (text, []) if splitters is None else splitters[i].feed(text)
         if thought or text or (ev.logprobs and ev.token_ids):  # held-back text's tokens still bring logprobs
@@ -189,7 +192,7 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
             return False
         if include_usage:
             out.append(data({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [],
-                             "usage": combined_usage(reqs)}))
+                             "usage": combined_usage(reqs, firsts)}))
         out.append("data: [DONE]\n\n")
         return True
 

@@ -236,7 +236,8 @@ class SlotBackend:
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
         if (pen != (1.0, 0.0, 0.0) or req.has_controls) and not self.penalties:
-            raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens: this backend was "
+            raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens, allowed_token_ids: "
+                             "this backend was "
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p)
@@ -270,7 +271,7 @@ class SlotBackend:
         if req is None:
             return logit_controls(self.cfg.vocab_size, None, 0, always=True)
         return logit_controls(self.cfg.vocab_size, dict(req.logit_bias), req.min_tokens, req.stop_token_ids,
-                              always=True)
+                              always=True, allowed_ids=req.allowed_token_ids)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
                 penalties=(1.0, 0.0, 0.0), controls=None):

@@ -523,7 +523,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
              prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
              max_len: Optional[int] = None, images=None, repetition_penalty: float = 1.0,
              frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Optional[dict] = None,
-             min_tokens: int = 0, min_p: float = 0.0) -> GenerateOutput:
+             min_tokens: int = 0, min_p: float = 0.0, allowed_token_ids=()) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
@@ -541,7 +541,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     semantics), applied at every position the step verifies; all off (the defaults): not compiled in.
     ``logit_bias`` ({token id: value}, OpenAI's) and ``min_tokens`` (EOS not drawn before that many tokens,
     vLLM's): the logit controls (``sampling.penalize``), likewise at every verified position. ``min_p``: tokens
-    below min_p x the likeliest's probability are not drawn (``sampling.SamplingParams``; 0: off)."""
+    below min_p x the likeliest's probability are not drawn (``sampling.SamplingParams``; 0: off);
+    ``allowed_token_ids`` (vLLM's; empty: all): the only tokens drawn, a logit control."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -559,7 +560,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
         raise ValueError(f"repetition_penalty: expected > 0 (1: off), got {repetition_penalty}")
     pen = Penalties(float(repetition_penalty), float(frequency_penalty), float(presence_penalty))
     controls = logit_controls(cfg.vocab_size, logit_bias, min_tokens, stop_ids=(
-        cfg.eos_token_id if eos_token_id is None else int(eos_token_id),))
+        cfg.eos_token_id if eos_token_id is None else int(eos_token_id),), allowed_ids=tuple(allowed_token_ids))
     pen = None if pen.off and controls is None else pen
     if drafter is not None:
         check_target(drafter.config, target)

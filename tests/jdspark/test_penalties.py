@@ -13,7 +13,7 @@ from flax import nnx
 import jdspark
 import kimi
 from jdspark.engine import SamplingRequest
-from jdspark.sampling import Penalties, penalize
+from jdspark.sampling import Penalties, logit_controls, penalize
 from jdspark.slots import SlotBackend
 from tests.jdspark import sampling_ref
 from tests.jdspark.test_logprobs import pair  # noqa: F401  (the tiny pair: drafts partly wrong)
@@ -55,6 +55,19 @@ def test_penalize_equals_the_definition():
     got = penalize(jnp.asarray(z), jnp.asarray(counts), jnp.asarray(prompt), Penalties(), jnp.asarray(bias_V),
                    jnp.asarray(stop_V), jnp.int32(0))
     np.testing.assert_allclose(got, sampling_ref.penalize(z, counts, prompt, logit_bias=bias), atol=1e-5)
+
+
+def test_allowed_token_ids_are_a_bias_of_minus_infinity_elsewhere():
+    """vLLM's allowed_token_ids as logit controls: the bias stays where allowed and is -inf elsewhere; ids outside
+    the vocabulary, and a list min_tokens would leave nothing to draw from, are ValueErrors naming them."""
+    c = logit_controls(8, {3: 1.5, 6: 2.0}, 0, (2,), allowed_ids=(2, 3, 5))
+    assert np.isneginf(c.bias_V).tolist() == [True, True, False, False, True, False, True, True]
+    assert c.bias_V[3] == 1.5 and c.bias_V[5] == 0.0
+    assert logit_controls(8, None, 0, (2,), allowed_ids=(4,)) is not None  # asked for: carried
+    with pytest.raises(ValueError, match="allowed_ids: expected token ids in"):
+        logit_controls(8, None, 0, allowed_ids=(1, 8))
+    with pytest.raises(ValueError, match="nothing to draw"):
+        logit_controls(8, None, 3, (2,), allowed_ids=(2,))
 
 
 def _reference(target, prompt, n: int, pen, eos: int = -1, **controls) -> list:
@@ -127,8 +140,9 @@ def test_greedy_with_logit_controls_equals_the_reference(pair):  # noqa: F811
 
 def test_served_penalties_equal_batch_one_generate(pair):  # noqa: F811
     """Requests with penalties beside one without, in one backend (per-row penalties, a prefix-cache hit's
-    extension too, logit_bias and min_tokens on two of them): each equals batch-1 generate with its own settings,
-    token for token (greedy; sampled at the whole block's width, the same keys)."""
+    extension too, logit_bias and min_tokens on two of them, allowed_token_ids on the sampled one): each equals
+    batch-1 generate with its own settings, token for token (greedy; sampled at the whole block's width, the same
+    keys)."""
     target, drafter = pair
     be = SlotBackend(target, drafter, num_slots=4, max_len=96, prompt_buckets=(32,), batch_buckets=(4,),
                      prefix_pool=2, prefix_min_tokens=8, penalties=True)
@@ -139,7 +153,8 @@ def test_served_penalties_equal_batch_one_generate(pair):  # noqa: F811
     held = dict(logit_bias=((eos, 6.0), (7, -100.0)), min_tokens=9, stop_token_ids=(eos,))  # EOS at >= 9
     asks = [(base, pen), (base + rng.integers(3, 64, 5).tolist(), {**pen, **held}),  # (the greedy tests' program)
             ([1] + rng.integers(3, 64, 12).tolist(), dict(presence_penalty=0.7, temperature=1.0, seed=2,
-                                                         logit_bias=((5, 3.0), (9, -2.0)))),
+                                                         logit_bias=((5, 3.0), (9, -2.0)),
+                                                         allowed_token_ids=tuple(range(3, 40, 2)))),
             ([1] + rng.integers(3, 64, 9).tolist(), dict())]
     outs = [[] for _ in asks]
     for s, (p, kw) in enumerate(asks):
@@ -154,6 +169,10 @@ def test_served_penalties_equal_batch_one_generate(pair):  # noqa: F811
         ref = jdspark.generate(target, drafter, np.asarray(p), max_new_tokens=24, eos_token_id=eos_id, **kw)
         assert got[:len(ref.tokens)] == list(ref.tokens), kw
     assert eos in outs[1] and eos not in outs[1][:9]  # the served minimum held EOS back, then its bias won
+    assert set(outs[2][:24]) <= set(range(3, 40, 2)) and len(set(outs[2][:24])) > 3  # only the allowed, several
+    free = jdspark.generate(target, drafter, np.asarray(asks[2][0]), max_new_tokens=24, eos_token_id=-1,
+                            **dict(asks[2][1], logit_bias=dict(asks[2][1]["logit_bias"]), allowed_token_ids=()))
+    assert not set(free.tokens) <= set(range(3, 40, 2))  # without the list, others come
 
 
 def test_the_server_takes_penalties():
@@ -173,7 +192,7 @@ def test_the_server_takes_penalties():
     q = parse_completion({"prompt": "x", "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 4, "max_tokens": 9},
                          tokenizer=tok, vocab_size=tok.vocab_size, max_context=64, model_name="m")
     assert (q.sampling.logit_bias, q.sampling.min_tokens) == (((3, 2.5), (7, -100.0)), 4)
-    for extra in ({"logit_bias": {"7": 1}}, {"min_tokens": 2}):
+    for extra in ({"logit_bias": {"7": 1}}, {"min_tokens": 2}, {"allowed_token_ids": [3, 4]}):
         with pytest.raises(ApiError, match="start it with --penalties") as e:
             parse_completion({"prompt": "x", **extra}, tokenizer=tok, vocab_size=tok.vocab_size, max_context=64,
                              model_name="m", penalties=False)
@@ -181,6 +200,7 @@ def test_the_server_takes_penalties():
     be = SlotBackend(kimi.KimiForCausalLM(kimi.KimiConfig.tiny(), rngs=nnx.Rngs(0)), None,
                      num_slots=1, max_len=64, prompt_buckets=(16,))  # the default: not compiled in
     assert be.state.counts is None
-    for kw in (dict(presence_penalty=0.5), dict(logit_bias=((5, 1.0),)), dict(min_tokens=2)):
+    for kw in (dict(presence_penalty=0.5), dict(logit_bias=((5, 1.0),)), dict(min_tokens=2),
+               dict(allowed_token_ids=(3, 4))):
         with pytest.raises(ValueError, match="built without them"):
             be.insert(0, SamplingRequest((1, 5, 6), 4, **kw))

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jdspark.serve_request import ApiError, parse_completion
+from jdspark.serve_request import ApiError, parse_completion, prompt_ids
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob
 
@@ -145,6 +145,67 @@ def test_tokenize_and_detokenize(srv):
     assert httpx.post(srv.url + "/tokenize", content="{").status_code == 400
 
 
+def test_vllm_prompt_and_output_extras(srv):
+    """vLLM's truncate_prompt_tokens (the prompt's last k tokens; -1: the longest this server takes),
+    continue_final_message (the final message left open: the prompt ends at its text), skip_special_tokens (false:
+    special tokens' names in the text), allowed_token_ids (handed to the backend, sorted and unique)."""
+    post = lambda path, body: httpx.post(srv.url + path, json=body)  # noqa: E731
+    full = post("/tokenize", {"prompt": "abcdefgh"}).json()["tokens"]
+    r = post("/v1/completions", {"prompt": "abcdefgh", "max_tokens": 2, "truncate_prompt_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+    assert srv.backend.requests[-1].prompt_ids == tuple(full[-3:])
+    r = post("/v1/completions", {"prompt": "abc", "max_tokens": 2, "truncate_prompt_tokens": -1, "echo": True})
+    assert srv.backend.requests[-1].prompt_ids == tuple(full[:4]) and r.json()["choices"][0]["text"][:3] == "abc"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f(x):"}]
+    cont = post("/tokenize", {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    assert srv.tok.decode(cont.json()["tokens"]).endswith("<|im_middle|>def f(x):")
+    closed = post("/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()["tokens"]
+    assert srv.tok.decode(closed).endswith("def f(x):<|im_end|>")
+    r = post("/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "add_generation_prompt": False,
+                                      "continue_final_message": True})
+    assert r.status_code == 200 and srv.backend.requests[-1].prompt_ids == tuple(cont.json()["tokens"])
+    srv.backend.replies[b"[special]"] = [ord("h"), srv.tok.special_tokens["<mask>"], ord("i")]
+    try:
+        for skip, want in ((None, "hi"), (True, "hi"), (False, "h<mask>i")):
+            body = {"prompt": "[special]", "max_tokens": 8, **({} if skip is None else {"skip_special_tokens": skip})}
+            assert post("/v1/completions", body).json()["choices"][0]["text"] == want, skip
+    finally:
+        del srv.backend.replies[b"[special]"]
+    r = post("/v1/completions", {"prompt": "x", "max_tokens": 2, "allowed_token_ids": [7, 3, 7]})
+    assert r.status_code == 200 and srv.backend.requests[-1].allowed_token_ids == (3, 7)
+    assert srv.backend.requests[-1].has_controls
+    user = [{"role": "user", "content": "x"}]
+    for body, message, param in (
+            ({"continue_final_message": True}, "'continue_final_message' and 'add_generation_prompt' cannot both be "
+             "true", "continue_final_message"),
+            ({"messages": [{"role": "user", "content": " "}], "continue_final_message": True,
+              "add_generation_prompt": False}, "the final message's text must be non-empty", "messages"),
+            ({"chat_template_kwargs": {"messages": []}}, "'chat_template_kwargs': 'messages' is set by the request",
+             "chat_template_kwargs"),
+            ({"chat_template_kwargs": [1]}, "'chat_template_kwargs' must be an object", "chat_template_kwargs")):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = post(path, {"messages": user, **body})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (path, body, r.text)
+            assert r.json()["error"]["param"] == param
+
+
+def test_chat_template_kwargs_reach_the_template_and_its_refusals_are_400():
+    """chat_template_kwargs are variables of the template (a thinking switch, as reasoning models' templates take);
+    a template's own raise_exception is a 400 carrying its message, not a server error."""
+    template = ("{% if strict %}{{ raise_exception('strict mode refused') }}{% endif %}{% for m in messages %}"
+                "{{ m['content'] }}|{% endfor %}{% if thinking %}<think>{% else %}<nothink>{% endif %}")
+    tok = ByteTokenizer(chat_template=template)
+    msgs = [{"role": "user", "content": "q"}]
+
+    def rendered(**body):
+        return tok.decode(prompt_ids({"messages": msgs, **body}, tok, tok.vocab_size, True, None, None, None)[0])
+
+    assert rendered().endswith("q|<nothink>")
+    assert rendered(chat_template_kwargs={"thinking": True}).endswith("q|<think>")
+    with pytest.raises(ApiError, match="the chat template refused the request: strict mode refused"):
+        rendered(chat_template_kwargs={"strict": True})
+
+
 def test_streaming_sse_with_usage(srv):
     with httpx.stream("POST", srv.url + "/v1/completions",
                       json={"prompt": "A", "max_tokens": 12, "stream": True,
@@ -192,6 +253,17 @@ BAD = [
     ({"prompt": "x", "top_p": 0}, "'top_p' must be a number in (0, 1]", "top_p", 400),
     ({"prompt": "x", "top_p": 1.5}, "'top_p' must be a number in (0, 1]", "top_p", 400),
     ({"prompt": "x", "min_p": 1.5}, "'min_p' must be a number in [0, 1] (0: off)", "min_p", 400),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "'truncate_prompt_tokens' must be an integer >= 1, or -1",
+     "truncate_prompt_tokens", 400),
+    ({"prompt": "x", "allowed_token_ids": [1, 384]}, "'allowed_token_ids' must be a list of token ids in [0, 384)",
+     "allowed_token_ids", 400),
+    ({"prompt": "x", "skip_special_tokens": 0}, "'skip_special_tokens' must be a boolean", "skip_special_tokens",
+     400),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "'guided_json' = {\"type\": \"object\"} is not supported",
+     "guided_json", 400),
+    ({"prompt": "x", "use_beam_search": True}, "'use_beam_search' = true is not supported", "use_beam_search", 400),
+    ({"prompt": "x", "bad_words": ["foo"]}, "'bad_words' = [\"foo\"] is not supported", "bad_words", 400),
+
     ({"prompt": "x", "min_p": "0.1"}, "'min_p' must be a number in [0, 1]", "min_p", 400),
     ({"prompt": [1, 999]}, "outside the vocabulary", "prompt", 400),
     ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean", "stream", 400),
@@ -412,6 +484,28 @@ def test_n_choices_streamed_and_not(srv):
                                                                        r["choices"][1]["text"])]
     assert all(x["logprobs"]["token_logprobs"][0] is None and len(x["logprobs"]["tokens"]) == 10
                for x in echo["choices"])
+
+
+def test_a_list_of_prompts_gets_each_its_choices(srv):
+    """OpenAI's ``prompt`` as a list (strings, or lists of token ids; lm-eval sends its batches so): prompt k's
+    choice j is choice k * n + j (vLLM's order), with its own echo; usage counts each prompt once; streamed
+    alike; a mixed list is a 400 naming the prompt, as is more completions than the queue can ever hold."""
+    body = {"prompt": ["abc", "pq"], "max_tokens": 5, "ignore_eos": True, "n": 2, "seed": 1}
+    r = httpx.post(srv.url + "/v1/completions", json=body).json()
+    want = [expected_text(p, 5, 1 + j) for p in ("abc", "pq") for j in range(2)]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3] and [c["text"] for c in r["choices"]] == want
+    assert r["usage"]["prompt_tokens"] == 4 + 3 and r["usage"]["completion_tokens"] == 20
+    ids = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": [[256, 97, 98, 99], [256, 112, 113]],
+                                                         "echo": True}).json()
+    assert [c["text"] for c in ids["choices"]] == ["abc" + want[0], "abc" + want[1], "pq" + want[2], "pq" + want[3]]
+    streamed = _sse_chunks(srv, "/v1/completions", {**body, "stream": True})
+    for i in range(4):
+        assert "".join(ch["choices"][0]["text"] for ch in streamed if ch["choices"][0]["index"] == i) == want[i]
+    for prompt in (["abc", [97]], [[97], []]):
+        bad = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": prompt})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+    many = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": ["a"] * 5})  # 10 > the queue's 8
+    assert many.status_code == 400 and "can never be queued together" in many.json()["error"]["message"]
 
 
 def test_best_of_returns_the_likeliest_completions(srv):
