@@ -4,7 +4,8 @@
 
 Endpoints: ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions`` (the checkpoint's
 chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``; ``image_url`` parts with ``data:`` URIs when the checkpoint
-has a vision tower, see ``jdspark.serve_media``), ``GET /v1/models``, ``POST /tokenize`` / ``/detokenize``
+has a vision tower, see ``jdspark.serve_media``), ``POST /v1/responses`` (OpenAI's Responses API over the chat path:
+``jdspark.serve_responses``), ``GET /v1/models``, ``POST /tokenize`` / ``/detokenize``
 (vLLM's: a prompt or chat's ids as this server prefills them, and back), ``GET /health`` (503 until every
 program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
 decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
@@ -60,6 +61,7 @@ from fastapi.responses import Response, StreamingResponse
 
 import kimi
 from jdspark import reasoning, tool_calls
+from jdspark import serve_responses as responses_api
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, QueueFull, combined_usage
 from jdspark.engine import Request as EngineRequest
@@ -140,29 +142,16 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return err(e)
         return {"prompt": tokenizer.decode(ids)}
 
-    async def serve(request: Request, chat: bool):
-        if not is_ready():
-            return err(ApiError(503, "warming up: compiling", type_="server_error"))
-        try:
-            body = await json_body(request)
-            qs = [parse_completion(
-                b, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
-                chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
-                max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties)
-                for b in ([body] if chat else split_prompts(body))]
-        except ApiError as e:
-            return err(e)
-        q = qs[0]  # the prompts' bodies differ only in the prompt
-        if len(qs) * q.best_of > engine.max_waiting:
-            name = "best_of" if q.best_of > q.n else ("n" if len(qs) == 1 else "prompt")
-            return err(ApiError(400, f"{len(qs)} prompt(s) x {q.best_of} completions can never be queued together "
-                                     f"(the queue holds {engine.max_waiting})", name))
+    def engine_requests(qs: list, events: asyncio.Queue) -> list:
+        """The engine requests of parsed bodies (``Parsed``), posting (their index, each Event) to ``events``:
+        prompt k's completions are [k * best_of, (k + 1) * best_of) (vLLM's choice order), completion j sampled
+        with seed + j."""
         loop = asyncio.get_running_loop()
         mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
-        events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
+        q = qs[0]
         keep = ((markers if q.tools else frozenset()) | (think if q.reasoning is not None else frozenset())
                 | (frozenset() if q.skip_special else frozenset(tokenizer.special_ids)))
-        reqs = []  # prompt k's completions are reqs[k * best_of:(k + 1) * best_of] (vLLM's choice order)
+        reqs = []
         for x in qs:
             # best_of > n: every completion's own log-probabilities rank them (asked or not)
             ranked = x.sampling if x.best_of == x.n or x.sampling.logprobs is not None else dataclasses.replace(
@@ -175,19 +164,49 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                     ranked if j == 0 else dataclasses.replace(ranked, seed=(ranked.seed + j) % 2 ** 63),
                     lambda ev, i=i: mailbox.post(events, (i, ev)), stop=x.stop, ignore_eos=x.ignore_eos,
                     include_stop_str=x.include_stop_str, keep_special=keep))
-        firsts = reqs[::q.best_of]  # each prompt's first completion: its prompt counted once in usage
-        echoes = [x.echo for x in qs for _ in range(x.best_of)]
+        return reqs
+
+    def submit(reqs: list):
+        """Queue ``reqs`` together: None, or the error response (429 full queue, 503 engine stopped)."""
         try:
             engine.submit_all(reqs)
         except QueueFull as e:
             return err(ApiError(429, str(e), type_="rate_limit_error", code="queue_full"))
         except RuntimeError as e:
             return err(ApiError(503, str(e), type_="server_error"))
+        return None
+
+    def parse(body, chat: bool, **kw):
+        return parse_completion(
+            body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
+            chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
+            max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties, **kw)
+
+    async def serve(request: Request, chat: bool):
+        if not is_ready():
+            return err(ApiError(503, "warming up: compiling", type_="server_error"))
+        try:
+            body = await json_body(request)
+            qs = [parse(b, chat) for b in ([body] if chat else split_prompts(body))]
+        except ApiError as e:
+            return err(e)
+        q = qs[0]  # the prompts' bodies differ only in the prompt
+        if len(qs) * q.best_of > engine.max_waiting:
+            name = "best_of" if q.best_of > q.n else ("n" if len(qs) == 1 else "prompt")
+            return err(ApiError(400, f"{len(qs)} prompt(s) x {q.best_of} completions can never be queued together "
+                                     f"(the queue holds {engine.max_waiting})", name))
+        events: asyncio.Queue = asyncio.Queue()  # (choice index, Event)
+        reqs = engine_requests(qs, events)
+        firsts = reqs[::q.best_of]  # each prompt's first completion: its prompt counted once in usage
+        echoes = [x.echo for x in qs for _ in range(x.best_of)]
+        refused = submit(reqs)
+        if refused is not None:
+            return refused
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if q.stream:
             return StreamingResponse(sse(request, engine, reqs, events, chat, created, model_name, q.include_usage,
-                                         tokenizer, echoes, q.tools, q.reasoning, firsts),
+                                         tokenizer, echoes, q.tools, q.reasoning, firsts, q.continuous_usage),
                                      media_type="text/event-stream")
         got = await collect(request, engine, reqs, events)
         if got is None:
@@ -221,6 +240,36 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         else:
             choice["text"] = (q.echo or "") + "".join(c.text)
         return choice
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        """OpenAI's Responses API over the chat path (``jdspark.serve_responses``)."""
+        if not is_ready():
+            return err(ApiError(503, "warming up: compiling", type_="server_error"))
+        try:
+            chat, meta = responses_api.chat_body(await json_body(request))
+            q = parse(chat, True, default_max_tokens=None)
+        except ApiError as e:
+            return err(e)
+        events: asyncio.Queue = asyncio.Queue()
+        reqs = engine_requests([q], events)
+        refused = submit(reqs)
+        if refused is not None:
+            return refused
+        rid, created = responses_api.new_id("resp"), int(time.time())
+        if q.stream:
+            return StreamingResponse(responses_api.stream_events(request, engine, reqs[0], events, rid, created,
+                                                                 model_name, meta, tokenizer, q.reasoning, q.tools),
+                                     media_type="text/event-stream")
+        got = await collect(request, engine, reqs, events)
+        if got is None:
+            return Response(status_code=499)
+        if got[0].last.error is not None:
+            return err(ApiError(400, got[0].last.error, "input"))
+        output, thought = responses_api.output_items("".join(got[0].text), q.reasoning, q.tools)
+        return responses_api.response_object(rid, created, model_name, meta, output,
+                                             responses_api.status_of(got[0].last.finish_reason),
+                                             responses_api.usage(reqs, tokenizer, thought))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

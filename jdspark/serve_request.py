@@ -83,6 +83,8 @@ class Parsed(NamedTuple):
     reasoning: Optional[bool] = None  # chat with a reasoning parser: whether the prompt opened the think block
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output
     skip_special: bool = True  # vLLM's skip_special_tokens: special tokens' names left out of the text
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every
+    # streamed chunk carries the usage so far
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -90,8 +92,10 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
                      max_logprobs: Optional[int] = None, max_n: int = 1,
                      tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
-                     penalties: bool = True) -> Parsed:
-    """A request body's ``Parsed`` form, or ApiError. ``max_n``: the most choices a request may ask (``n``);
+                     penalties: bool = True, default_max_tokens: Optional[int] = 16) -> Parsed:
+    """A request body's ``Parsed`` form, or ApiError. ``default_max_tokens``: a request's ``max_tokens`` when it
+    names none (None: the rest of the context after its prompt, as the Responses API's ``max_output_tokens``);
+    ``max_n``: the most choices a request may ask (``n``);
     ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools);
     ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not);
     ``penalties``: whether the server applies repetition / frequency / presence penalties, logit_bias and
@@ -101,7 +105,7 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-                      max_logprobs, max_n, tool_parser, reasoning_parser, penalties)
+                      max_logprobs, max_n, tool_parser, reasoning_parser, penalties, default_max_tokens)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -309,7 +313,7 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
 
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True):
+           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16):
     check_body(body, model_name)
     _reject_unsupported(body)
     if chat and body.get("echo") not in (None, False):
@@ -334,7 +338,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         raise ApiError(400, f"the prompt has {len(ids)} tokens; this server takes at most {max_prompt} (its largest "
                             "prompt bucket)", "prompt")
     max_tokens = get_field(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-                           (int,), 16, lambda v: v >= (0 if echo else 1),
+                           (int,), max(1, max_context - len(ids)) if default_max_tokens is None else default_max_tokens,
+                           lambda v: v >= (0 if echo else 1),
                            "an integer >= 0 (0: the prompt's echo alone)" if echo else "an integer >= 1")
     if len(ids) + max_tokens > max_context:
         raise ApiError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the context of "
@@ -364,7 +369,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
         raise ApiError(400, f"spec_mode {spec_mode!r} is not served here (this server offers {list(spec_modes)}; "
                        "start it with --spec adaptive for both)", "spec_mode", code="unsupported")
     opts = get_field(body, "stream_options", (dict,), {}, what="an object")
-    include_usage = bool(opts.get("include_usage", False))
+    include_usage, continuous = (get_field(opts, k, (bool,), False, what="a boolean")
+                                 for k in ("include_usage", "continuous_usage_stats"))
     logprobs = _logprobs(body, chat, max_logprobs)
     penalties = {name: float(get_field(body, name, (int, float), off, ok, what)) for name, off, ok, what in (
         ("repetition_penalty", 1.0, lambda v: math.isfinite(v) and v > 0, "a number > 0 (1: off)"),
@@ -400,4 +406,5 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          allowed_token_ids=tuple(sorted(set(allowed))), **penalties)
     skip_special = get_field(body, "skip_special_tokens", (bool,), True, what="a boolean")
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
-                  int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special))
+                  int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special),
+                  bool(include_usage and continuous))

@@ -118,9 +118,11 @@ async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Opt
 
 async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool, created: int, model_name: str,
               include_usage: bool, tokenizer, echoes: Optional[Sequence] = None, tools: bool = False,
-              thinking: Optional[bool] = None, firsts: Optional[Sequence] = None):
+              thinking: Optional[bool] = None, firsts: Optional[Sequence] = None, continuous: bool = False):
     """The SSE stream of a response's choices (module doc); a client that goes away cancels every choice.
-    ``echoes``: per choice, its prompt's text to send first (None: none); ``firsts``: ``combined_usage``'s.
+    ``echoes``: per choice, its prompt's text to send first (None: none); ``firsts``: ``combined_usage``'s;
+    ``continuous`` (vLLM's continuous_usage_stats): every chunk carries {prompt_tokens, completion_tokens,
+    total_tokens} of the tokens its response has streamed so far, this chunk's included.
     ``tools``: each choice's text goes through a ``jdspark.tool_calls.Splitter`` (its calls streamed as deltas);
     ``thinking`` (not None: the prompt opened a think block or not), first through a ``jdspark.reasoning.Splitter``
     (its reasoning sent as ``delta.reasoning_content``, the answer on to the tool splitter)."""
@@ -130,6 +132,8 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
     echoes = [None] * len(reqs) if echoes is None else list(echoes)
     echoed = [e is None for e in echoes]
     finished = [False] * len(reqs)
+    streamed = [0] * len(reqs)  # tokens each choice's chunks have carried
+    prompt_tokens = sum(len(r.sampling.prompt_ids) for r in (reqs[:1] if firsts is None else firsts))
     splitters = [Splitter() for _ in reqs] if tools else None
     thinkers = None if thinking is None else [reasoning.Splitter(thinking) for _ in reqs]
 
@@ -155,7 +159,12 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
         if finish is not None:  # vLLM's: the stop string or stop token id that ended the choice
             choice["stop_reason"] = reqs[i].stop_reason
-        return data({"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]})
+        body = {"id": rid, "object": obj, "created": created, "model": model_name, "choices": [choice]}
+        if continuous:
+            done = sum(streamed)
+            body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                             "total_tokens": prompt_tokens + done}
+        return data(body)
 
     def events_of(i: int, ev: Event, out: list) -> bool:
         """Append choice ``i``'s SSE events for ``ev`` to ``out``; True when the whole stream has ended."""
@@ -163,6 +172,7 @@ async def sse(request, engine, reqs: Sequence, events: asyncio.Queue, chat: bool
             echoed[i] = True
             out.append(chunk(i, echoes[i], None, ids=list(reqs[i].sampling.prompt_ids),
                              entries=ev.prompt_logprobs))
+        streamed[i] += len(ev.token_ids)
         thought, text = ("", ev.text) if thinkers is None else thinkers[i].feed(ev.text)
         text, calls = (text, []) if splitters is None else splitters[i].feed(text)
         if thought or text or (ev.logprobs and ev.token_ids):  # held-back text's tokens still bring logprobs

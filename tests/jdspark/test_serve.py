@@ -123,6 +123,25 @@ def test_stop_reason_and_include_stop_str_in_output(srv):
     assert (c["finish_reason"], c["stop_reason"]) == ("length", None)
 
 
+def test_continuous_usage_stats_in_every_chunk(srv):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): each chunk's usage counts the tokens the
+    stream has carried so far (n choices together), growing to the final usage chunk's; without it chunks carry none;
+    a stream option that is not a boolean is a 400."""
+    body = {"prompt": "abc", "max_tokens": 7, "ignore_eos": True, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _sse_chunks(srv, "/v1/completions", body)
+    final = chunks[-1]["usage"]
+    seen = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert seen == sorted(seen) and seen[-1] == final["completion_tokens"] == 14
+    assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] == 4 for c in chunks[:-1])
+    texts = ["".join(c["choices"][0]["text"] for c in chunks[:k + 1] if c["choices"]) for k in range(len(chunks) - 1)]
+    assert all(len(t) <= u for t, u in zip(texts, seen))  # (one byte a token here: text never ahead of the count)
+    plain = _sse_chunks(srv, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 14
+    bad = httpx.post(srv.url + "/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continuous_usage_stats"
+
+
 def test_tokenize_and_detokenize(srv):
     """vLLM's /tokenize gives the ids the server prefills (their count is a completion's usage.prompt_tokens, for a
     prompt and for chat messages through the template); /detokenize gives the text back; bad bodies are 400 / 404."""
