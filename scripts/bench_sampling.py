@@ -4,13 +4,14 @@
   python scripts/bench_sampling.py --vocab 163840 --json   # K3's vocabulary
 
 Each figure is one operation on logits [rows, V] repeated ``--iters`` times inside one ``lax.fori_loop`` (so the
-host's dispatch is not counted), the fastest of ``--repeats`` runs, in microseconds per call. ``peaked`` logits
-(a nucleus of a few tokens at top-p 0.95, as a trained model's usually are) take top-p's fast path; ``flat`` ones
+host's dispatch is not counted), the fastest of ``--repeats`` runs, in microseconds per call. ``peaked`` logits (a
+nucleus of a few tokens at top-p 0.95, as a trained model's usually are) take top-p's fast path; ``flat`` ones
 (hundreds of tokens) its bisection. The sampling operations are timed in each of ``kimi.dispatch.sampling_form``'s
 forms (``--forms``; "bisect" is the CPU's, "sort" every other backend's: ``dispatch.sampling_form_as`` sets which
 one is traced, to compare them side by side on one machine); ``accept_rejection`` is a verify block's (``rows`` - 1
-drafts); ``top_p_min_p_mask`` is ``top_p_mask`` with min-p 0.05 as well. The sort and ``jax.random.categorical``
-rows are the plain operations for scale.
+drafts); ``top_p_min_p_mask`` is ``top_p_mask`` with min-p 0.05 as well; ``*_rows`` are ``sample`` and ``propose``
+with per-row settings and the batch's flags, as a serving step calls them (top-k and min-p off). The sort and
+``jax.random.categorical`` rows are the plain operations for scale.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdspark import sampling
 from kimi import dispatch
@@ -68,12 +70,18 @@ def main(argv=None) -> int:
         drafts = jnp.argmax(logq, axis=-1).astype(jnp.int32)
         return jnp.stack(sampling.accept_rejection(k, drafts, logq, z, jnp.int32(z.shape[0] - 1), sp))
 
+    def rows_sp(R: int):  # the serving step's form: per-row settings (all T 1, top-p 0.95) and the batch flags
+        t, k, p, m = np.ones(R, np.float32), np.zeros(R, np.int32), np.full(R, 0.95, np.float32), np.zeros(R)
+        return sampling.SamplingParams.rows(t, k, p, m, batch=sampling.SamplingParams.batch_flags(t, k, p, m))
+
     form_ops = {
         "sample_top_p": lambda z, k: sampling.sample(k, z, sp),
         "top_p_mask": lambda z, k: sampling.process_logits(z, sp),
         "top_p_min_p_mask": lambda z, k: sampling.process_logits(z, sp_min_p),
         "propose": lambda z, k: sampling.propose(k, z, sp)[0],
         "accept_rejection": accept,
+        "sample_rows": lambda z, k: sampling.sample(k, z, rows_sp(z.shape[0])),
+        "propose_rows": lambda z, k: sampling.propose(k, z, rows_sp(z.shape[0]))[0],
     }
     ops = {
         "gumbel_categorical_all_V": lambda z, k: jax.random.categorical(k, z),

@@ -20,7 +20,7 @@ def test_json_line_has_every_figure(capsys):
     assert peaked["nucleus_tokens_row0"] <= 64 < flat["nucleus_tokens_row0"]
     assert r["default_form"] == "bisect"  # this CPU's (kimi.dispatch.sampling_form)
     for form in ("bisect", "sort"):
-        for name in ("sample_top_p", "top_p_mask", "top_p_min_p_mask", "propose"):
+        for name in ("sample_top_p", "top_p_mask", "top_p_min_p_mask", "propose", "sample_rows", "propose_rows"):
             assert peaked[f"{name}_{form}"] > 0 and flat[f"{name}_{form}"] > 0
         assert f"accept_rejection_{form}" not in peaked  # a verify block needs >= 2 rows
     for name in ("gumbel_categorical_all_V", "sort_V", "argsort_V", "top_k_64"):
