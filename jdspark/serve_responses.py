@@ -164,15 +164,15 @@ def chat_body(body) -> tuple:
         chat["max_tokens"] = body["max_output_tokens"]
         if isinstance(body["max_output_tokens"], bool) or not isinstance(body["max_output_tokens"], int):
             raise ApiError(400, "'max_output_tokens' must be an integer >= 1", "max_output_tokens")
-    kwargs = dict(body.get("chat_template_kwargs") or {}) if isinstance(body.get("chat_template_kwargs"), dict) \
-        else body.get("chat_template_kwargs")
+    kwargs = body.get("chat_template_kwargs")  # not an object: passed on, for the chat body's check to refuse
+    kwargs = dict(kwargs or {}) if kwargs is None or isinstance(kwargs, dict) else kwargs
     effort = body.get("reasoning")
     if effort is not None:
         if not isinstance(effort, dict):
             raise ApiError(400, "'reasoning' must be an object ({\"effort\": ...})", "reasoning")
         if effort.get("effort") is not None and isinstance(kwargs, dict):
             kwargs.setdefault("reasoning_effort", effort["effort"])
-    if kwargs:
+    if kwargs != {}:
         chat["chat_template_kwargs"] = kwargs
     truncation = body.get("truncation", "disabled")
     if truncation not in (None, "disabled", "auto"):

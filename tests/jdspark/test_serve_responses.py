@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from jdspark.serve_responses import chat_body
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text
 from tests.jdspark.test_tool_calls import ANSWER, CALLS, TEMPLATE
@@ -156,3 +157,18 @@ def test_bad_requests_are_refused_by_name(srv, body, message, param):
     r = _post(srv, body)
     assert r.status_code in (400, 404) and message in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_the_chat_body_of_settings():
+    """reasoning.effort reaches the template as reasoning_effort (beside the request's own template kwargs),
+    truncation "auto" is truncate_prompt_tokens -1, developer messages are system messages, vLLM's sampling
+    extras pass through; a template kwargs value that is not an object is passed on for the chat check to refuse."""
+    chat, meta = chat_body({"input": [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}],
+                            "reasoning": {"effort": "low"}, "chat_template_kwargs": {"thinking": True},
+                            "truncation": "auto", "top_k": 5, "seed": 3, "user": "me"})
+    assert chat["chat_template_kwargs"] == {"thinking": True, "reasoning_effort": "low"}
+    assert chat["truncate_prompt_tokens"] == -1 and (chat["top_k"], chat["seed"]) == (5, 3)
+    assert [m["role"] for m in chat["messages"]] == ["system", "user"] and "user" not in chat
+    assert (meta["truncation"], meta["user"], meta["reasoning"]) == ("auto", "me", {"effort": "low"})
+    assert chat_body({"input": "x", "chat_template_kwargs": [1]})[0]["chat_template_kwargs"] == [1]
+    assert "chat_template_kwargs" not in chat_body({"input": "x"})[0]
