@@ -65,7 +65,7 @@ from jdspark import serve_responses as responses_api
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, QueueFull, combined_usage
 from jdspark.engine import Request as EngineRequest
-from jdspark.logprobs import MAX_LOGPROBS
+from jdspark.logprobs import MAX_LOGPROBS, prompt_logprobs_object
 from jdspark.prefix import tree_bytes
 from jdspark.serve_media import MediaError
 from jdspark.serve_metrics import ServeMetrics
@@ -208,7 +208,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return StreamingResponse(sse(request, engine, reqs, events, chat, created, model_name, q.include_usage,
                                          tokenizer, echoes, q.tools, q.reasoning, firsts, q.continuous_usage),
                                      media_type="text/event-stream")
-        got = await collect(request, engine, reqs, events)
+        got = await collect(request, engine, reqs, events, echoes)
         if got is None:
             return Response(status_code=499)
         failed = next((c.last.error for c in got if c.last.error is not None), None)
@@ -220,8 +220,12 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             if x.best_of > x.n:  # the n with the highest mean log-probability per token (OpenAI's "best"), in order
                 group = sorted(group, key=lambda c: -c.mean_logprob)[:x.n]
             choices += [_choice(x, c, len(choices) + i, chat) for i, c in enumerate(group)]
-        return {"id": reqs[0].id, "object": obj, "created": created, "model": model_name, "choices": choices,
-                "usage": combined_usage(reqs, firsts)}
+        out = {"id": reqs[0].id, "object": obj, "created": created, "model": model_name, "choices": choices,
+               "usage": combined_usage(reqs, firsts)}
+        if chat and q.prompt_logprobs is not None:  # vLLM's place for a chat's: the response's, once
+            out["prompt_logprobs"] = prompt_logprobs_object(tokenizer, reqs[0].sampling.prompt_ids, got[0].prompt,
+                                                            q.prompt_logprobs)
+        return out
 
     def _choice(q, c, index: int, chat: bool) -> dict:
         """One choice of a non-streamed response: completion ``c`` of the request ``q`` (a ``Parsed``)."""
@@ -239,6 +243,9 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                 choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = (q.echo or "") + "".join(c.text)
+            if q.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_object(tokenizer, q.sampling.prompt_ids, c.prompt,
+                                                                   q.prompt_logprobs)
         return choice
 
     @app.post("/v1/responses")

@@ -49,7 +49,7 @@ def get_field(body: dict, name: str, kinds, default, check=None, what: str = "")
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "suffix": ("",), "prompt_logprobs": (0,), "functions": ([],), "response_format": ({"type": "text"},),
+    "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},),
     # vLLM's extra fields: beam search, structured outputs (constrained decoding is not built), multi-token bans,
     # custom logits processors, embeddings as prompts, token ids spelled as strings, scheduling priority
     "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_json": (), "guided_regex": (),
@@ -85,6 +85,7 @@ class Parsed(NamedTuple):
     skip_special: bool = True  # vLLM's skip_special_tokens: special tokens' names left out of the text
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every
     # streamed chunk carries the usage so far
+    prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities and ranks, this many top
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -148,6 +149,21 @@ def _logprobs(body: dict, chat: bool, max_logprobs: Optional[int]) -> Optional[i
     if asked is not None and max_logprobs is None:
         raise ApiError(400, "log-probabilities are off on this server (started with --no-logprobs)", "logprobs",
                        code="unsupported")
+    return asked
+
+
+def _prompt_logprobs(body: dict, max_logprobs: Optional[int], stream: bool) -> Optional[int]:
+    """vLLM's ``prompt_logprobs`` (None: none): each prompt token's log-probability and rank, and this many top
+    entries (0: the token's own alone); not streamed (as vLLM)."""
+    limit = -1 if max_logprobs is None else max_logprobs
+    what = f"an integer in 0..{limit}" if limit >= 0 else "null (this server computes no log-probabilities)"
+    asked = get_field(body, "prompt_logprobs", (int,), None, lambda v: 0 <= v <= limit, what)
+    if asked is not None and max_logprobs is None:
+        raise ApiError(400, "log-probabilities are off on this server (started with --no-logprobs)",
+                       "prompt_logprobs", code="unsupported")
+    if asked is not None and stream:
+        raise ApiError(400, "'prompt_logprobs' is not served with \"stream\": true (they come whole, in the "
+                            "response)", "prompt_logprobs")
     return asked
 
 
@@ -372,6 +388,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     include_usage, continuous = (get_field(opts, k, (bool,), False, what="a boolean")
                                  for k in ("include_usage", "continuous_usage_stats"))
     logprobs = _logprobs(body, chat, max_logprobs)
+    plp = _prompt_logprobs(body, max_logprobs, stream)
+    prefilled = max((x for x in (logprobs if echo else None, plp) if x is not None), default=None)
     penalties = {name: float(get_field(body, name, (int, float), off, ok, what)) for name, off, ok, what in (
         ("repetition_penalty", 1.0, lambda v: math.isfinite(v) and v > 0, "a number > 0 (1: off)"),
         ("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "a number in [-2, 2] (0: off)"),
@@ -401,10 +419,10 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                        "best_of")
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
-                         prompt_logprobs=logprobs if echo else None, logit_bias=logit_bias,
+                         prompt_logprobs=prefilled, logit_bias=logit_bias,
                          min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), min_p=min_p,
                          allowed_token_ids=tuple(sorted(set(allowed))), **penalties)
     skip_special = get_field(body, "skip_special_tokens", (bool,), True, what="a boolean")
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special),
-                  bool(include_usage and continuous))
+                  bool(include_usage and continuous), plp)

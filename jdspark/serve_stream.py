@@ -71,6 +71,7 @@ class Choice:
     ids: list = dataclasses.field(default_factory=list)
     entries: list = dataclasses.field(default_factory=list)
     last: Optional[Event] = None
+    prompt: Optional[list] = None  # the prompt tokens' entries (its first event's), when asked
     logprob_sum: float = 0.0  # of the generated tokens (an echoed prompt's not counted)
     generated: int = 0
 
@@ -79,10 +80,13 @@ class Choice:
         """The generated tokens' mean log-probability (``best_of``'s ranking; 0 with none)."""
         return self.logprob_sum / self.generated if self.generated else 0.0
 
-    def add(self, ev: Event, prompt_ids) -> None:
+    def add(self, ev: Event, prompt_ids, echo: bool = False) -> None:
+        """Take an event; an echoed choice's (``echo``) ids and entries begin with the prompt's."""
         self.text.append(ev.text)
         if ev.prompt_logprobs is not None:
-            self.ids, self.entries = list(prompt_ids) + self.ids, ev.prompt_logprobs + self.entries
+            self.prompt = ev.prompt_logprobs
+            if echo:
+                self.ids, self.entries = list(prompt_ids) + self.ids, ev.prompt_logprobs + self.entries
         if ev.logprobs is not None:
             self.ids += ev.token_ids
             self.entries += ev.logprobs
@@ -92,9 +96,10 @@ class Choice:
             self.last = ev
 
 
-async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Optional[list]:
+async def collect(request, engine, reqs: Sequence, events: asyncio.Queue,
+                  echoes: Optional[Sequence] = None) -> Optional[list]:
     """Every choice's events until each has finished: the ``Choice`` list, or None when the client went away
-    (every choice cancelled: their slots are freed)."""
+    (every choice cancelled: their slots are freed). ``echoes``: per choice, its echoed prompt's text or None."""
     got = [Choice() for _ in reqs]
     left = len(reqs)
     try:
@@ -107,7 +112,7 @@ async def collect(request, engine, reqs: Sequence, events: asyncio.Queue) -> Opt
                         engine.cancel(r)
                     return None
                 continue
-            got[i].add(ev, reqs[i].sampling.prompt_ids)
+            got[i].add(ev, reqs[i].sampling.prompt_ids, echoes is not None and echoes[i] is not None)
             left -= ev.finish_reason is not None
     except asyncio.CancelledError:
         for r in reqs:

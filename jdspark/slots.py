@@ -260,7 +260,7 @@ class SlotBackend:
                 entries = host_entries(lp_first.chosen_K, lp_first.top_ids_KL, lp_first.top_KL, 1, top)
             if ptop >= 0:  # the first prompt token has none (nothing before it)
                 prompt = [None] + host_entries(lp_prompt.chosen_K, lp_prompt.top_ids_KL, lp_prompt.top_KL, n - 1,
-                                               ptop)
+                                               ptop, lp_prompt.rank_K)  # with each prompt token's rank
         return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
     def _controls(self, req: Optional[SamplingRequest] = None):

@@ -363,7 +363,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
             dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
         if with_prompt:
             next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
-            prompt_lp = when(want_prompt_logprobs, pre.logits[0], next_P, logprobs)
+            prompt_lp = when(want_prompt_logprobs, pre.logits[0], next_P, logprobs, with_rank=True)
     else:
         cache = KimiCache.init(target.config, 1, max_len)
 
@@ -375,7 +375,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
 
         def prompt_entries(logits_1CV, start):
             lp = when(want_prompt_logprobs, logits_1CV[0], jax.lax.dynamic_slice(next_Q, (start,), (chunk,)),
-                      logprobs)
+                      logprobs, with_rank=True)
             return jax.tree.map(lambda x: x[None], lp)
 
         got, cache, dcache = prefill_chunked(target, prompt_1P, cache, chunk=chunk, tap_layers=taps,

@@ -23,6 +23,11 @@ def scripted_logprob(t: int, top: int) -> tuple:
     return lp, [((t + j) % 256, lp - j) for j in range(top)]
 
 
+def scripted_rank(t: int) -> int:
+    """The scripted backend's rank of prompt token t (vLLM's prompt_logprobs carry one)."""
+    return 2 + t % 3
+
+
 class ScriptedBackend:
     def __init__(self, num_slots, tokens_per_step=3, eos=None, reply=None):
         self.num_slots, self.k, self.eos = num_slots, tokens_per_step, eos
@@ -53,7 +58,8 @@ class ScriptedBackend:
                 break
         self.top[slot] = req.logprobs
         ptop = req.prompt_logprobs
-        prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) for t in req.prompt_ids[1:]]
+        prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) + (scripted_rank(t),)
+                                                      for t in req.prompt_ids[1:]]
         return StepOutput([self.last[slot]], cached=len(req.prompt_ids) // 2,  # as if half were kept
                           logprobs=self._logprobs(slot, [self.last[slot]]), prompt_logprobs=prompt)
 

@@ -51,6 +51,12 @@ def test_token_logprobs_equal_numpy_and_skip_when_not_asked():
     e = host_entries(np.asarray(lp.chosen_K), np.asarray(lp.top_ids_KL), np.asarray(lp.top_KL), 2, 3)
     assert len(e) == 2 and len(e[1][1]) == 3 and e[1][1][0][0] == int(order[1, 0])
     assert e[0][0] == pytest.approx(float(ref[0, toks[0]]), abs=1e-5)
+    assert lp.rank_K is None  # ranks only where asked (the prompt's)
+    ranked = token_logprobs(jnp.asarray(logits), jnp.asarray(toks), 4, with_rank=True)
+    np.testing.assert_array_equal(ranked.rank_K, (ref >= ref[np.arange(5), toks][:, None]).sum(-1))
+    e = host_entries(np.asarray(ranked.chosen_K), np.asarray(ranked.top_ids_KL), np.asarray(ranked.top_KL), 2, 1,
+                     np.asarray(ranked.rank_K))
+    assert [x[2] for x in e] == np.asarray(ranked.rank_K)[:2].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +126,12 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
             assert len(plp) == len(prompt) and plp[0] is None
             np.testing.assert_allclose([e[0] for e in plp[1:]], ref[np.arange(len(prompt) - 1), prompt[1:]],
                                        atol=2e-4)
-            for i, (_, tops) in enumerate(plp[1:]):
+            for i, (lp, tops, rank) in enumerate(plp[1:]):
                 assert len(tops) == ptop
                 np.testing.assert_allclose([v for _, v in tops], np.sort(ref[i])[::-1][:ptop], atol=2e-4)
+                # rank: #{v : logp_v >= the token's} (vLLM's), up to float32's reading of near-ties
+                assert np.sum(ref[i] > lp + 2e-4) < rank <= np.sum(ref[i] >= lp - 2e-4), (i, rank)
+            assert len({e[2] for e in plp[1:]}) > 1  # not all likeliest: the ranks say something
         if top is None:
             assert all(ev.logprobs is None for ev in events)
             continue

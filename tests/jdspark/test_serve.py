@@ -13,7 +13,7 @@ import pytest
 
 from jdspark.serve_request import ApiError, parse_completion, prompt_ids
 from kimi.tokenizer import ByteTokenizer
-from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob
+from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob, scripted_rank
 
 
 @pytest.fixture(scope="module")
@@ -525,6 +525,41 @@ def test_a_list_of_prompts_gets_each_its_choices(srv):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
     many = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": ["a"] * 5})  # 10 > the queue's 8
     assert many.status_code == 400 and "can never be queued together" in many.json()["error"]["message"]
+
+
+def test_prompt_logprobs_in_vllms_form(srv):
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {id: {logprob, rank, decoded_token}} for the token
+    and the k likeliest (ranks 1..k; the token's own rank where it is not among them), per completions choice and
+    once per chat response; independent of the generated tokens' logprobs and of echo's (each its own k);
+    streaming and more than --max-logprobs are 400s."""
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": "abc"}).json()["tokens"]
+
+    def want(t, k):
+        lp, tops = scripted_logprob(t, k)
+        d = {str(j): {"logprob": v, "rank": r + 1, "decoded_token": chr(j)} for r, (j, v) in enumerate(tops)}
+        return d | ({} if str(t) in d else {str(t): {"logprob": lp, "rank": scripted_rank(t), "decoded_token": chr(t)}})
+
+    c = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "prompt_logprobs": 0}).json()
+    c = c["choices"][0]
+    assert c["logprobs"] is None and c["prompt_logprobs"] == [None] + [want(t, 0) for t in ids[1:]]
+    assert c["prompt_logprobs"][1][str(ids[1])]["rank"] == scripted_rank(ids[1])  # the token's own rank
+    both = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3, "prompt_logprobs": 2,
+                                                         "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert both["prompt_logprobs"] == [None] + [want(t, 2) for t in ids[1:]]
+    assert all(len(x) == 1 for x in both["logprobs"]["top_logprobs"][1:])  # echo's own k
+    assert len(both["logprobs"]["tokens"]) == len(ids) + 3
+    plain = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}).json()["choices"][0]
+    assert "prompt_logprobs" not in plain and srv.backend.requests[-1].prompt_logprobs is None
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2,
+                                                              "prompt_logprobs": 1}).json()
+    cids = httpx.post(srv.url + "/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert chat["prompt_logprobs"] == [None] + [want(t, 1) for t in cids[1:]]
+    for body, message in (({"stream": True}, "not served with \"stream\": true"),
+                          ({"prompt_logprobs": 6}, "must be an integer in 0..5")):
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "prompt_logprobs": 1, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_best_of_returns_the_likeliest_completions(srv):
