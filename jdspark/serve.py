@@ -3,18 +3,19 @@
     python -m jdspark.serve --checkpoint checkpoints/default --slots 16 --port 8000     # also `make serve`
 
 Endpoints: ``POST /v1/completions`` (prompt as text or token ids), ``POST /v1/chat/completions`` (the checkpoint's
-chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``; ``image_url`` parts with ``data:`` URIs when the checkpoint
-has a vision tower, see ``jdspark.serve_media``), ``POST /v1/responses`` (OpenAI's Responses API over the chat path:
-``jdspark.serve_responses``), ``GET /v1/models``, ``POST /tokenize`` / ``/detokenize``
-(vLLM's: a prompt or chat's ids as this server prefills them, and back), ``GET /health`` (503 until every
-program is compiled), ``GET /metrics``. Streaming is SSE (``data: {...}`` chunks, then ``data: [DONE]``), text
-decoded incrementally. ``usage`` carries the completion's own acceptance (``drafted``, ``accepted``,
-``accept_len``) and, as OpenAI's does, ``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching
-took from a kept earlier prompt (``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets
-``{"error": {"message", "type", "param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting
-queue is full, 503 before the engine is ready; the bodies are read in ``jdspark.serve_request``); a request field
-this server does not implement (``suffix``, ``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless
-it has the value that asks for nothing. A client that disconnects frees its slot.
+chat template, or ``kimi.tokenizer.PLAIN_CHAT_TEMPLATE``; ``image_url`` parts with ``data:`` URIs when the
+checkpoint has a vision tower, see ``jdspark.serve_media``), ``POST /v1/responses`` (OpenAI's Responses API over the
+chat path: ``jdspark.serve_responses``), ``GET /v1/models``, ``POST /tokenize`` / ``/detokenize`` (vLLM's: a prompt
+or chat's ids as this server prefills them, and back), ``GET /health`` (503 until every program is compiled; vLLM's
+``/ping`` the same), ``GET /metrics``, ``GET /v1/models/{model}``, ``GET /version``. Streaming is SSE (``data:
+{...}`` chunks, then ``data: [DONE]``), text decoded incrementally. ``usage`` carries the completion's own
+acceptance (``drafted``, ``accepted``, ``accept_len``) and, as OpenAI's does,
+``prompt_tokens_details.cached_tokens``: the prompt tokens prefix caching took from a kept earlier prompt
+(``--prefix-pool``, ``jdspark.prefix``) instead of prefilling them. Bad input gets ``{"error": {"message", "type",
+"param", "code"}}`` with status 400 (404 for an unknown model, 429 when the waiting queue is full, 503 before the
+engine is ready; the bodies are read in ``jdspark.serve_request``); a request field this server does not implement
+(``suffix``, ``response_format``: ``UNSUPPORTED_FIELDS``) is a 400 naming it unless it has the value that asks for
+nothing. A client that disconnects frees its slot.
 
 Tools (chat): ``tools`` with ``tool_choice`` "auto" (or "none") are rendered by the checkpoint's chat template, and
 the answer's calls are read in ``--tool-call-parser``'s format (Kimi K2's; ``jdspark.tool_calls``) into the
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import os
 import sys
@@ -73,7 +75,18 @@ from jdspark.serve_request import ApiError, check_body, get_field, parse_complet
 from jdspark.serve_stream import Mailbox, collect, logprobs_object, sse
 from jdspark.slots import SlotBackend, multi_step_plan
 
-__all__ = ["build_app", "main"]
+__all__ = ["build_app", "main", "SERVER_VERSION"]
+
+
+def _version() -> str:
+    """pyproject.toml's version as installed (``make install``); "unknown" for a tree run without installing it."""
+    try:
+        return importlib.metadata.version("jdspark")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+SERVER_VERSION = _version()  # ``GET /version``, as vLLM's
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
@@ -97,14 +110,30 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return err(ApiError(503, "warming up: compiling", type_="server_error"))
         return Response(status_code=200)
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the same
+
+    @app.get("/version")
+    async def version():
+        return {"version": SERVER_VERSION}
+
     @app.get("/metrics")
     async def prom():
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "jdspark", "root": model_name,
+                  "parent": None, "max_model_len": max_context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "jdspark",
-                                            "max_model_len": max_context}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        """OpenAI's retrieve-a-model (``client.models.retrieve``); 404 for any other name."""
+        if name != model_name:
+            return err(ApiError(404, f"The model '{name}' does not exist (this server serves '{model_name}')",
+                                "model", code="model_not_found"))
+        return model_card
 
     async def json_body(request: Request):
         try:

@@ -3,6 +3,7 @@ every endpoint, streaming and not, every bad input, 429 on a full queue, a disco
 slot, metrics consistent with what was served, and a bounded soak."""
 
 import concurrent.futures as cf
+import importlib.metadata
 import json
 import re
 import time
@@ -44,6 +45,17 @@ def _wait_idle(srv, timeout=10):
             return m
         time.sleep(0.05)
     raise AssertionError("requests did not drain")
+
+
+def test_ping_version_and_model_retrieval(srv):
+    """vLLM's /ping (GET and POST, as /health) and /version (the installed package's), OpenAI's retrieve-a-model
+    (404 naming any other model)."""
+    assert httpx.get(srv.url + "/ping").status_code == 200 and httpx.post(srv.url + "/ping").status_code == 200
+    assert httpx.get(srv.url + "/version").json() == {"version": importlib.metadata.version("jdspark")}
+    card = httpx.get(srv.url + "/v1/models/scripted").json()
+    assert card == httpx.get(srv.url + "/v1/models").json()["data"][0] and card["id"] == "scripted"
+    r = httpx.get(srv.url + "/v1/models/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_health_models_and_a_completion(srv):
