@@ -4,6 +4,7 @@ the chat completion's of the same conversation), the output items (reasoning, me
 usage, the typed streamed events (whose deltas join to the non-streamed items), and the requests refused by name."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -172,3 +173,26 @@ def test_the_chat_body_of_settings():
     assert (meta["truncation"], meta["user"], meta["reasoning"]) == ("auto", "me", {"effort": "low"})
     assert chat_body({"input": "x", "chat_template_kwargs": [1]})[0]["chat_template_kwargs"] == [1]
     assert "chat_template_kwargs" not in chat_body({"input": "x"})[0]
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_slot(srv):
+    """A streamed response whose client disconnects is cancelled (an "abort", not a 3000-token answer run to its
+    end): its slot is freed and nothing stays running."""
+    before = _aborts(srv)
+    with httpx.stream("POST", srv.url + "/v1/responses",
+                      json={"input": "z", "max_output_tokens": 3000, "stream": True, "ignore_eos": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 12:
+                break  # closing the stream drops the connection
+    deadline = time.time() + 10
+    while srv.backend.last or srv.engine.num_running or srv.engine.num_waiting:
+        assert time.time() < deadline, "the response was not cancelled"
+        time.sleep(0.05)
+    assert _aborts(srv) == before + 1
+    assert _post(srv, {"input": "after", "max_output_tokens": 2}).status_code == 200  # still serving
+
+
+def _aborts(srv) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in ln)
