@@ -71,6 +71,8 @@ class SamplingRequest:
     # request ignores it), which min_tokens holds back
     min_p: float = 0.0  # ``sampling.SamplingParams.min_p`` (0: off)
     allowed_token_ids: tuple = ()  # vLLM's: the only tokens that may be drawn (empty: all), a logit control
+    grammar: Optional[object] = dataclasses.field(default=None, compare=False)  # ``jdspark.grammar.TokenFSM``: the
+    # output constrained to its language (guided_choice), then EOS
 
     @property
     def has_controls(self) -> bool:

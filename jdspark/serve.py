@@ -24,6 +24,9 @@ passed to the template. Forcing a call ("required", a named function) needs cons
 With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
 (``jdspark.reasoning``).
 
+Constrained decoding (``--guided-states Q``): vLLM's ``guided_choice`` / ``structured_outputs: {"choice": [...]}``,
+the answer one of the strings, then EOS (``jdspark.grammar``; masked at every verified position: lossless).
+
 Penalties and logit controls (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``
 (vLLM's semantics, ``jdspark.sampling.Penalties``), ``logit_bias`` (OpenAI's: {"token id": -100..100}) and
 ``min_tokens`` (vLLM's: EOS not drawn, unless ``ignore_eos``, and stop strings not matched before that many tokens;
@@ -93,7 +96,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               is_ready=lambda: True, max_prompt: Optional[int] = None,
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
               max_n: int = 1, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None, penalties: bool = False) -> FastAPI:
+              reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
@@ -209,7 +212,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         return parse_completion(
             body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
             chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
-            max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties, **kw)
+            max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties,
+            guided_states=guided_states, **kw)
 
     async def serve(request: Request, chat: bool):
         if not is_ready():
@@ -366,6 +370,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compile repetition / frequency / presence penalties, logit_bias and min_tokens into the "
                          "programs (without it a request asking for them is a 400: compiled in, steps of requests "
                          "without them cost 3-4%% more at the whole block's width, docs/serving.md)")
+    ap.add_argument("--guided-states", type=int, default=0, metavar="Q",
+                    help="constrained decoding (vLLM's guided_choice / structured_outputs.choice, jdspark.grammar): "
+                         "each slot carries an automaton of up to Q states (Q x vocabulary int32); 0 (the default): "
+                         "not compiled in, a request asking for it is a 400")
     ap.add_argument("--max-n", type=int, default=16,
                     help="the most choices a request may ask ('n'): each is a request of its own in the engine")
     ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",
@@ -409,6 +417,7 @@ def make_engine(a: argparse.Namespace):
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
                           max_logprobs=a.max_logprobs if a.logprobs else None, penalties=a.penalties,
+                          guided_states=a.guided_states,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
@@ -451,7 +460,7 @@ def main(argv=None) -> int:
                     max_logprobs=backend.max_logprobs, max_n=a.max_n,
                     tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
-                    penalties=backend.penalties)
+                    penalties=backend.penalties, guided_states=backend.guided_states)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

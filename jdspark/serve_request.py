@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 
 from jdspark import reasoning
 from jdspark.engine import SamplingRequest
+from jdspark.grammar import choice_fsm
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 
 __all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids",
@@ -53,7 +54,7 @@ UNSUPPORTED_FIELDS = {
     # vLLM's extra fields: beam search, structured outputs (constrained decoding is not built), multi-token bans,
     # custom logits processors, embeddings as prompts, token ids spelled as strings, scheduling priority
     "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "bad_words": ([],),
+    "guided_grammar": (), "bad_words": ([],),
     "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,), "priority": (0,),
     "spaces_between_special_tokens": (True,), "documents": ([],),
 }
@@ -93,20 +94,23 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      spec_modes: tuple = ("fixed", "adaptive"), vision=None,
                      max_logprobs: Optional[int] = None, max_n: int = 1,
                      tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
-                     penalties: bool = True, default_max_tokens: Optional[int] = 16) -> Parsed:
+                     penalties: bool = True, default_max_tokens: Optional[int] = 16,
+                     guided_states: int = 0) -> Parsed:
     """A request body's ``Parsed`` form, or ApiError. ``default_max_tokens``: a request's ``max_tokens`` when it
     names none (None: the rest of the context after its prompt, as the Responses API's ``max_output_tokens``);
     ``max_n``: the most choices a request may ask (``n``);
     ``tool_parser``: the tool-call format answers are read in (``jdspark.tool_calls.PARSERS``; None: no tools);
     ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not);
     ``penalties``: whether the server applies repetition / frequency / presence penalties, logit_bias and
-    min_tokens (``--penalties``).
+    min_tokens (``--penalties``); ``guided_states``: the most automaton states a constrained request may take
+    (``--guided-states``; 0: none is served).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-                      max_logprobs, max_n, tool_parser, reasoning_parser, penalties, default_max_tokens)
+                      max_logprobs, max_n, tool_parser, reasoning_parser, penalties, default_max_tokens,
+                      guided_states)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -165,6 +169,37 @@ def _prompt_logprobs(body: dict, max_logprobs: Optional[int], stream: bool) -> O
         raise ApiError(400, "'prompt_logprobs' is not served with \"stream\": true (they come whole, in the "
                             "response)", "prompt_logprobs")
     return asked
+
+
+def _grammar(body: dict, tokenizer, vocab_size: int, guided_states: int, ignore_eos: bool, stop_ids) -> object:
+    """The request's constraint (``jdspark.grammar.TokenFSM``; None: none): vLLM's ``guided_choice`` or
+    ``structured_outputs: {"choice": [...]}``, the answer one of the strings, then EOS or a stop_token_id."""
+    choice, so = body.get("guided_choice"), body.get("structured_outputs")
+    if choice is None and so is None:
+        return None
+    if choice is not None and so is not None:
+        raise ApiError(400, "give one of 'guided_choice' and 'structured_outputs'", "structured_outputs")
+    name = "guided_choice"
+    if so is not None:
+        name = "structured_outputs"
+        if not isinstance(so, dict) or set(so) - {"choice"} or "choice" not in so:
+            other = sorted(set(so) - {"choice"}) if isinstance(so, dict) else []
+            raise ApiError(400, f"'structured_outputs' {other or 'form'} is not supported (it takes {{\"choice\": "
+                                "[...]}: JSON, regex and grammars are not built)", name, code="unsupported")
+        choice = so["choice"]
+    if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+        raise ApiError(400, f"'{name}' must be a non-empty list of non-empty strings", name)
+    if not guided_states:
+        raise ApiError(400, f"'{name}': constrained decoding is off on this server (start it with --guided-states Q)",
+                       name, code="unsupported")
+    if ignore_eos or tokenizer.eos_id is None:
+        raise ApiError(400, f"'{name}' ends the answer with EOS: not with ignore_eos (or a tokenizer without one)",
+                       name)
+    fsm = choice_fsm(choice, tokenizer, vocab_size, (tokenizer.eos_id, *stop_ids))
+    if fsm.num_states > guided_states:
+        raise ApiError(400, f"'{name}': the choices make an automaton of {fsm.num_states} states; this server takes "
+                            f"at most {guided_states} (--guided-states)", name)
+    return fsm
 
 
 def _tools(body: dict, chat: bool, tokenizer, tool_parser: Optional[str]) -> Optional[list]:
@@ -329,7 +364,8 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
 
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
-           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16):
+           max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16,
+           guided_states=0):
     check_body(body, model_name)
     _reject_unsupported(body)
     if chat and body.get("echo") not in (None, False):
@@ -409,6 +445,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     if asked and not penalties_served:
         raise ApiError(400, f"'{asked[0]}': penalties and logit controls are off on this server (start it with "
                             "--penalties)", asked[0], code="unsupported")
+    grammar = _grammar(body, tokenizer, vocab_size, guided_states, ignore_eos, stop_ids)
     n = get_field(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
         raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",
@@ -421,7 +458,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=prefilled, logit_bias=logit_bias,
                          min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), min_p=min_p,
-                         allowed_token_ids=tuple(sorted(set(allowed))), **penalties)
+                         allowed_token_ids=tuple(sorted(set(allowed))), grammar=grammar, **penalties)
     skip_special = get_field(body, "skip_special_tokens", (bool,), True, what="a boolean")
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special),

@@ -11,6 +11,7 @@ not ask nothing but the branch (``docs/serving.md``, "Log-probabilities").
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 from jdspark.graphs import merge_module
 from jdspark.sampling import Penalties, SamplingParams
-from jdspark.speculative import plain_step, prefill_stream, spec_step
+from jdspark.speculative import REQUEST_CONSTANT, plain_step, prefill_stream, spec_step
 from kimi import dispatch
 
 __all__ = ["insert_row", "step_rows", "HOST_COLUMNS"]
@@ -32,7 +33,8 @@ HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs"
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs", "penalties"),
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
-               min_p, penalties_3, media_PD=None, want_prompt=None, controls=None, *, max_len, chunk=None,
+               min_p, penalties_3, media_PD=None, want_prompt=None, controls=None, grammar=None, *, max_len,
+               chunk=None,
                logprobs: Optional[int] = None, penalties: bool = True):
     """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
     ``TokenLogprobs``, the prompt's where ``want_prompt`` says so: ``speculative.prefill_stream``). ``media_PD``:
@@ -40,13 +42,14 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     so one program serves every image prompt of a bucket. ``penalties_3``: float32 [3], the request's repetition,
     frequency and presence penalties (``sampling.Penalties``; static ``penalties`` False: not compiled in, the
     rows carry no counts), ``controls`` its logit_bias and min_tokens (``sampling.LogitControls``; with
-    ``penalties``, which compiles both in)."""
+    ``penalties``, which compiles both in), ``grammar`` its automaton (state, table [Q, V]: ``jdspark.grammar``;
+    state -1 for an unconstrained request; None: the slots carry none)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p, min_p)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
                                      logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen,
-                                     controls=controls if penalties else None)
+                                     controls=controls if penalties else None, grammar=grammar)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
 
@@ -94,6 +97,13 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
         out = jax.tree.map(lambda x: x[None], out)
     else:
         new, out = jax.lax.scan(mapped, sub, None, length=steps)
-    state = new if all_slots else jax.tree.map(lambda s, n: s.at[rows_b].set(n), state, new)
+    if not all_slots:  # the rows' changed leaves scattered back; a request's constants stay where they are (an
+        # automaton's table, Q x V a slot, copied back every step cost a plain b = 1 step 35%: docs/serving.md)
+        kept = {f: getattr(state, f) for f in REQUEST_CONSTANT}
+        none = {f: None for f in REQUEST_CONSTANT}
+        state = dataclasses.replace(jax.tree.map(lambda s, n: s.at[rows_b].set(n), dataclasses.replace(state, **none),
+                                                 dataclasses.replace(new, **none)), **kept)
+    else:
+        state = new
     return state, out
 

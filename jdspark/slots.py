@@ -111,7 +111,7 @@ class SlotBackend:
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
-                 max_logprobs: Optional[int] = None, penalties: bool = False):
+                 max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -142,10 +142,15 @@ class SlotBackend:
         # in, a step whose rows do not penalise still paid 3-4% at W = G + 1 (b = 1 and 16,
         # docs/bench_penalties_default_pair.json), so a server offers them only when started with --penalties
         self.penalties = bool(penalties)
+        # constrained decoding (``jdspark.grammar``): 0 (the default), not compiled in; Q, every slot carries an
+        # automaton state and a table of up to Q states (Q x V int32: what a guided request's choices may take)
+        if guided_states < 0:
+            raise ValueError(f"guided_states: expected >= 0 (0: off), got {guided_states}")
+        self.guided_states = int(guided_states)
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
-            controls=self._controls()))
+            controls=self._controls(), grammar=self._grammar()))
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
@@ -210,7 +215,8 @@ class SlotBackend:
             raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
         if mode == "adaptive" and not self.adaptive:
             raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
-        keep = self.prefix is not None and req.images is None  # prefix caching: text prompts only
+        # prefix caching: text prompts only, and not constrained ones (a kept row holds no automaton of its own)
+        keep = self.prefix is not None and req.images is None and req.grammar is None
         top, ptop = (-1 if x is None else int(x) for x in (req.logprobs, req.prompt_logprobs))
         if max(top, ptop) > (-1 if self.max_logprobs is None else self.max_logprobs):
             raise ValueError(f"logprobs: {max(top, ptop)} top entries asked; this backend serves "
@@ -240,6 +246,7 @@ class SlotBackend:
                              "this backend was "
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
+        grammar = self._grammar(req)
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p)
         samp = (req.temperature, top_k, req.top_p, req.min_p)
         self.modes[slot] = mode
@@ -247,7 +254,7 @@ class SlotBackend:
         self.inserts[slot] += 1
         if hit is None:
             first, lp = self._prefill(slot, padded, n, req.seed, samp, media, chunk,
-                                       ptop >= 0, pen, controls)
+                                       ptop >= 0, pen, controls, grammar)
         else:
             first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, samp, pen, controls)
         row = self.prefix.store(req.prompt_ids) if keep else None
@@ -273,6 +280,26 @@ class SlotBackend:
         return logit_controls(self.cfg.vocab_size, dict(req.logit_bias), req.min_tokens, req.stop_token_ids,
                               always=True, allowed_ids=req.allowed_token_ids)
 
+    def _grammar(self, req: Optional[SamplingRequest] = None):
+        """The request's automaton as the insert program takes it, (state, table [Q, V] padded to the slots' Q):
+        state 0 for a constrained request, -1 for any other; None where the slots carry none."""
+        if not self.guided_states:
+            if req is not None and req.grammar is not None:
+                raise ValueError("grammar (guided decoding): this backend was built without it "
+                                 "(SlotBackend(guided_states=Q); the server's --guided-states)")
+            return None
+        V = self.cfg.vocab_size
+        table = np.full((self.guided_states, V), -1, np.int32)
+        if req is None or req.grammar is None:
+            return np.int32(-1), table
+        t = np.asarray(req.grammar.next_QV, np.int32)
+        if t.ndim != 2 or t.shape[1] != V or t.shape[0] > self.guided_states:
+            raise ValueError(f"grammar: a table of {t.shape[0] if t.ndim == 2 else '?'} states over "
+                             f"{t.shape[-1] if t.ndim else '?'} tokens; these slots take at most "
+                             f"{self.guided_states} states over {V}")
+        table[:t.shape[0]] = t
+        return np.int32(0), table
+
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
                 penalties=(1.0, 0.0, 0.0), controls=None):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
@@ -294,23 +321,25 @@ class SlotBackend:
                 self._controls() if controls is None else controls)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
-                 penalties=(1.0, 0.0, 0.0), controls=None):
+                 penalties=(1.0, 0.0, 0.0), controls=None, grammar=None):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, samp, media_PD, chunk, prompt_logprobs, penalties,
-                                     controls)
+                                     controls, grammar)
         self.state, first, *lp = insert_row(*args, **kw)
         return first, (lp[0] if lp else None)
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk,
-                     prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None) -> tuple:
+                     prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None,
+                     grammar=None) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
         want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                  np.asarray(penalties, np.float32), media_PD, want,
-                 self._controls() if controls is None else controls),
+                 self._controls() if controls is None else controls,
+                 self._grammar() if grammar is None else grammar),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):

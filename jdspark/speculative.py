@@ -108,6 +108,15 @@ class Stream:
     bias: Optional[jax.Array] = None
     stop_ids: Optional[jax.Array] = None
     min_tokens: Optional[jax.Array] = None
+    # with constrained decoding (``jdspark.grammar``; None without): int32 the automaton's state (-1: this stream is
+    # unconstrained), int32 [Q, V] its table
+    fsm: Optional[jax.Array] = None
+    fsm_next: Optional[jax.Array] = None
+
+
+# the Stream fields a step never changes (a request's own settings, written at its prefill): a serving step of some
+# slots need not scatter them back into the slots' state (``slot_programs.step_rows``)
+REQUEST_CONSTANT = ("prompt_seen", "bias", "stop_ids", "min_tokens", "fsm_next")
 
 
 def _with_controls(row: Stream, V: int, controls: Optional[LogitControls]) -> Stream:
@@ -173,13 +182,43 @@ def _recounted(st: Stream, new_K, n_new, pen: Optional[Penalties]):
 
 def _penalized(logits_KV, st: Stream, drafts_k, pen: Optional[Penalties]):
     """A step's logits at its K positions under ``pen``: position j counts the stream's generated tokens and the
-    drafts before it (``drafts_k`` [K - 1]; position j predicts the token after the anchor and drafts 1..j)."""
-    if pen is None or st.counts is None:
-        return logits_KV
-    V = logits_KV.shape[-1]
-    hot = jnp.zeros((drafts_k.shape[0], V), jnp.int32).at[jnp.arange(drafts_k.shape[0]), drafts_k].set(1)
-    counts_KV = st.counts[None] + jnp.concatenate([jnp.zeros((1, V), jnp.int32), jnp.cumsum(hot, axis=0)])
-    return penalize(logits_KV, counts_KV, st.prompt_seen, pen, st.bias, st.stop_ids, st.min_tokens)
+    drafts before it (``drafts_k`` [K - 1]; position j predicts the token after the anchor and drafts 1..j); then,
+    for a constrained stream, masked to the tokens its automaton allows there (``_constrained``)."""
+    z = logits_KV
+    if pen is not None and st.counts is not None:
+        V = logits_KV.shape[-1]
+        hot = jnp.zeros((drafts_k.shape[0], V), jnp.int32).at[jnp.arange(drafts_k.shape[0]), drafts_k].set(1)
+        counts_KV = st.counts[None] + jnp.concatenate([jnp.zeros((1, V), jnp.int32), jnp.cumsum(hot, axis=0)])
+        z = penalize(logits_KV, counts_KV, st.prompt_seen, pen, st.bias, st.stop_ids, st.min_tokens)
+    return z if st.fsm is None else _constrained(z, st, drafts_k)
+
+
+def _fsm_step(next_QV, q, token):
+    """The automaton's state after ``token`` from ``q`` (-1 stays -1: unconstrained, or past a token it refused)."""
+    return jnp.where(q >= 0, next_QV[jnp.maximum(q, 0), token], -1)
+
+
+def _constrained(logits_KV, st: Stream, drafts_k):
+    """``jdspark.grammar``'s mask: position j keeps {v : next[q_j, v] >= 0}, q_0 the stream's state and q_{j+1} =
+    next[q_j, draft j]; a position whose state is -1 keeps every token (an unconstrained stream; or a position past
+    a draft the automaton refused: that draft has probability 0 where it stands, so nothing past it is read)."""
+    q, states = st.fsm, [st.fsm]
+    for j in range(drafts_k.shape[0]):
+        q = _fsm_step(st.fsm_next, q, drafts_k[j])
+        states.append(q)
+    q_K = jnp.stack(states)
+    ok_KV = (q_K[:, None] < 0) | (st.fsm_next[jnp.maximum(q_K, 0)] >= 0)
+    return jnp.where(ok_KV, logits_KV, -jnp.inf)
+
+
+def _advanced(st: Stream, new_K, n_new):
+    """The stream's automaton state after committing the first ``n_new`` of ``new_K`` (None without one)."""
+    if st.fsm is None:
+        return None
+    q = st.fsm
+    for j in range(new_K.shape[0]):
+        q = jnp.where(j < n_new, _fsm_step(st.fsm_next, q, new_K[j]), q)
+    return q
 
 
 def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
@@ -278,12 +317,12 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None,
-                      penalties=None, controls=None):
+                      penalties=None, controls=None, fsm_QV=None):
     """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
     graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass),
     penalties (``sampling.Penalties`` or None);
     traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill), ``controls``
-    (``LogitControls`` or None).
+    (``LogitControls`` or None), ``fsm_QV`` (a ``jdspark.grammar`` table, or None).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
@@ -293,7 +332,7 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
                                 cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties,
-                                controls=controls)
+                                controls=controls, grammar=None if fsm_QV is None else (0, fsm_QV))
     return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream, penalties)
 
 
@@ -328,7 +367,7 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
                    chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None,
                    want_prompt_logprobs=None, penalties: Optional[Penalties] = None,
-                   controls: Optional[LogitControls] = None):
+                   controls: Optional[LogitControls] = None, grammar=None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
@@ -345,7 +384,9 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
 
     ``penalties`` (``sampling.Penalties``; None: the stream carries no counts): the first token is drawn from the
     penalised logits (the prompt's tokens seen, none generated), and the stream keeps the counts the steps read;
-    ``controls`` (``LogitControls``, with ``penalties``; None: none) the request's logit_bias and min_tokens."""
+    ``controls`` (``LogitControls``, with ``penalties``; None: none) the request's logit_bias and min_tokens.
+    ``grammar`` (None: the stream carries no automaton): (state int32: 0 constrained, -1 not; table int32 [Q, V]),
+    ``jdspark.grammar``: the first token is drawn from the masked logits, and every step's after it."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
@@ -389,6 +430,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         V = last_logits.shape[-1]
         row = _with_controls(row, V, controls)
         row.prompt_seen = _seen(prompt_1P, prompt_len, V)
+    if grammar is not None:
+        row.fsm, row.fsm_next = jnp.asarray(grammar[0], jnp.int32), jnp.asarray(grammar[1], jnp.int32)
     first = sample(k0, _penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
     row = _first(row, first)
     if logprobs is not None:
@@ -399,7 +442,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
 def _first(row: Stream, first_1) -> Stream:
     """The stream with its first generated token as the anchor (and counted)."""
     counts = None if row.counts is None else _counted(row.counts, first_1, 1)
-    return dataclasses.replace(row, anchor=first_1, counts=counts)
+    return dataclasses.replace(row, anchor=first_1, counts=counts, fsm=_advanced(row, first_1, 1))
 
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
@@ -433,6 +476,8 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     if penalties is not None:  # the kept prompt's tokens and the extension's are the prompt; nothing generated
         new = _with_controls(new, row.counts.shape[0], controls)
         new.prompt_seen = row.prompt_seen | _seen(ext_1E, ext_len, row.prompt_seen.shape[0])
+    if row.fsm is not None:  # a constrained request is never a prefix-cache hit (``SlotBackend.insert``)
+        new.fsm, new.fsm_next = jnp.int32(-1), row.fsm_next
     first = sample(k0, _penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
     new = _first(new, first)
     if logprobs is not None:
@@ -466,7 +511,8 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: O
     one = jnp.int32(1)
     lp = None if logprobs is None else when(want_logprobs, logits_1V, nxt, logprobs)
     counts = _recounted(st, nxt, 1, penalties)
-    return (dataclasses.replace(st, anchor=nxt, cache=res.cache, dcache=dcache, key=key, counts=counts),
+    return (dataclasses.replace(st, anchor=nxt, cache=res.cache, dcache=dcache, key=key, counts=counts,
+                                fsm=_advanced(st, nxt, 1)),
             StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp))
 
 
@@ -511,7 +557,8 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
     lp = None if logprobs is None else when(want_logprobs, ver.logits[0], new, logprobs)
     counts = _recounted(st, new, m + 1, penalties)
-    return (dataclasses.replace(st, anchor=nxt[None], cache=cache, dcache=dcache, key=key, counts=counts),
+    return (dataclasses.replace(st, anchor=nxt[None], cache=cache, dcache=dcache, key=key, counts=counts,
+                                fsm=_advanced(st, new, m + 1)),
             StepOut(new, m + 1, n_verify, m, survival, lp))
 
 
@@ -523,7 +570,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
              prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
              max_len: Optional[int] = None, images=None, repetition_penalty: float = 1.0,
              frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Optional[dict] = None,
-             min_tokens: int = 0, min_p: float = 0.0, allowed_token_ids=()) -> GenerateOutput:
+             min_tokens: int = 0, min_p: float = 0.0, allowed_token_ids=(), grammar=None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
@@ -542,7 +589,9 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     ``logit_bias`` ({token id: value}, OpenAI's) and ``min_tokens`` (EOS not drawn before that many tokens,
     vLLM's): the logit controls (``sampling.penalize``), likewise at every verified position. ``min_p``: tokens
     below min_p x the likeliest's probability are not drawn (``sampling.SamplingParams``; 0: off);
-    ``allowed_token_ids`` (vLLM's; empty: all): the only tokens drawn, a logit control."""
+    ``allowed_token_ids`` (vLLM's; empty: all): the only tokens drawn, a logit control. ``grammar``
+    (``jdspark.grammar.TokenFSM``, None: none): the output is constrained to its language, then EOS (which must be
+    one of the table's stop ids), masked at every position the step verifies (lossless)."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -579,13 +628,18 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     padded[0, :len(ids)] = ids
     prompt = target.partition.replicate(padded)
     media = None if images is None else target.partition.replicate(target.image_features(ids, images))
+    fsm = None
+    if grammar is not None:
+        fsm = np.asarray(grammar.next_QV, np.int32)
+        if fsm.ndim != 2 or fsm.shape[1] != cfg.vocab_size:
+            raise ValueError(f"grammar: expected a table [Q, {cfg.vocab_size}], got shape {fsm.shape}")
     served_t, served_d = serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
     d_graph, d_state = nnx.split(served_d) if served_d is not None else (None, None)
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
                                       float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
-                                      jax.random.key(seed), stream, chunk, media, pen, controls)
+                                      jax.random.key(seed), stream, chunk, media, pen, controls, fsm)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 

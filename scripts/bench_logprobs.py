@@ -1,7 +1,9 @@
-"""What serving log-probabilities (or penalties and logit controls) costs a step, per batch and verify width (JSON).
+"""What serving log-probabilities (or penalties and logit controls, or constrained decoding) costs a step, per batch
+and verify width (JSON).
 
   python scripts/bench_logprobs.py --json                       # the shipped pair, batches 1 and 16, W = 1 and G + 1
   python scripts/bench_logprobs.py --feature penalties --json   # the same arms for penalties
+  python scripts/bench_logprobs.py --feature guided --json      # and for constrained decoding (--guided-states)
 
 Three arms, each a ``SlotBackend`` (``jdspark/slots.py``) of the same pair with every slot filled by a held-out
 prompt, steps launched back to back as the engine pipelines them (ms per step), and one prompt's insert
@@ -17,7 +19,11 @@ prompt, steps launched back to back as the engine pipelines them (ms per step), 
 ``--feature penalties``: off = ``penalties=False`` (the default), unasked = compiled in (``--penalties``) with
 no row penalised (the ``lax.cond`` skips the penalised logits and the counts' update), asked = every row with
 repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``), a logit_bias on two tokens and
-min_tokens 2 (``jdspark.sampling.LogitControls``); log-probabilities off in every arm.
+min_tokens 2 (``jdspark.sampling.LogitControls``); log-probabilities off in every arm. ``--feature guided``: off =
+``guided_states=0``, unasked = ``guided_states=GUIDED_STATES`` (``--guided-states``) with no row constrained (each
+row still carries a table and masks with it: state -1 keeps every token), asked = every row constrained by a
+cyclic automaton of GUIDED_STATES states that refuses a seventh of the vocabulary from each state
+(``guided_table``; ``jdspark.grammar``).
 
 The arms' rounds interleave (each round times every arm, the order rotating) and each ratio is the median of the
 rounds' ratios taken side by side (this machine's speed drifts by more than the effect within a minute). W = 1
@@ -40,6 +46,18 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 ARMS = ("off", "unasked", "asked")
+GUIDED_STATES = 32  # --feature guided: the slots' automaton states (the server's --guided-states)
+
+
+def guided_table(vocab_size: int, states: int = GUIDED_STATES):
+    """A ``jdspark.grammar.TokenFSM`` that never ends and moves with every token: from state q, token v goes to
+    (q + v) % states, except the ids v = q (mod 7), refused."""
+    from jdspark.grammar import TokenFSM
+
+    q, v = np.arange(states)[:, None], np.arange(vocab_size)[None]
+    return TokenFSM(np.where(v % 7 == q % 7, -1, (q + v) % states).astype(np.int32))
+
+
 ASKED_PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
                        logit_bias=((5, 0.5), (9, -1.0)), min_tokens=2)
 # per feature: the backend's keyword arguments (compiled in or not), and what a request asking for it sets
@@ -47,6 +65,8 @@ FEATURES = {
     "logprobs": (lambda on, top: dict(max_logprobs=top if on else None),
                  lambda top, insert: dict(logprobs=top, prompt_logprobs=top if insert else None)),
     "penalties": (lambda on, top: dict(max_logprobs=None, penalties=on), lambda top, insert: ASKED_PENALTIES),
+    "guided": (lambda on, top: dict(max_logprobs=None, guided_states=GUIDED_STATES if on else 0),
+               lambda top, insert: {"grammar": "table"}),
 }
 
 
@@ -59,7 +79,12 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
 
     if feature not in FEATURES:
         raise ValueError(f"feature: expected one of {sorted(FEATURES)}, got {feature!r}")
-    backend_kw, asking = FEATURES[feature]
+    backend_kw, ask = FEATURES[feature]
+    table = guided_table(target.config.vocab_size) if feature == "guided" else None
+
+    def asking(top, insert):  # (the guided table is the model's vocabulary's)
+        return {k: (table if v == "table" else v) for k, v in ask(top, insert).items()}
+
     P = max(len(p) for p in prompts)
     G = drafter.config.block_size if drafter is not None else 0
     if (iters + 1) * steps * max(widths) > max_len - P - G - 2:

@@ -17,6 +17,7 @@ import kimi
 from jdspark import speculative
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import SamplingRequest
+from jdspark.grammar import TokenFSM
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
 from jdspark.slots import SlotBackend
 from tests.jdspark import sampling_ref
@@ -48,7 +49,7 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
     return np.asarray(toks), jax.device_get(st)
 
 
-def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None, **controls) -> np.ndarray:
+def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None, fsm=None, **controls) -> np.ndarray:
     """p_t(. | prompt, draws[:, :t]) for every draw and position t, by the NumPy reference applied to the target's
     teacher-forced logits (one prefill over all draws): [n, T_LAW, V]; with ``penalties`` (a ``Penalties``) the
     logits penalised first (``sampling_ref.penalize``: each draw's tokens before t counted, the prompt's seen;
@@ -69,6 +70,12 @@ def _conditional_law(target, prompt, draws, sp: SamplingParams, penalties=None, 
         before = np.cumsum(hot, axis=1) - hot
         logits = sampling_ref.penalize(logits, before, np.isin(np.arange(V), prompt), penalties.repetition,
                                        penalties.frequency, penalties.presence, **controls)
+    if fsm is not None:  # the automaton's state after each draw's tokens before t; its table masks the logits
+        q = np.zeros(len(draws), np.int64)
+        for t in range(draws.shape[1]):
+            logits[:, t] = np.where(fsm[q] >= 0, logits[:, t], -np.inf)
+            q = fsm[q, draws[:, t]]
+            assert (q >= 0).all(), f"position {t}: a token the automaton refuses was drawn"
     return sampling_ref.process(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
 
 
@@ -160,17 +167,23 @@ def test_lossless_sampling_law_at_every_position(law_pair, temperature, top_k, t
 N_SLOTS_LAW = 1000  # rows of one slots batch (one request each)
 
 
+# a cyclic automaton over the law pair's 8 ids (0, 1, 2: pad, BOS, EOS never): state q = the last token's class
+# (v % 3); from state q the ids 3 + q and 6 - q are refused, so the mask moves with every token drawn
+FSM = np.array([[-1, -1, -1] + [v % 3 if v not in (3 + q, 6 - q) else -1 for v in range(3, 8)] for q in range(3)],
+               np.int32)
+
+
 def _slots_draws(target, drafter, prompt, sp: SamplingParams, n: int, T: int):
     """n requests of the same prompt (seeds 0..n-1) in one n-slot backend, stepped together until each has T
     tokens; even steps at the adaptive scheduler's width (a cost table that makes it move with the survival
     curves), odd steps cycling through every compiled width. Returns (draws [n, T], backend, drafted, accepted)."""
     be = SlotBackend(target, drafter, num_slots=n, max_len=32, prompt_buckets=(8,), batch_buckets=(n,),
-                     adaptive=True, widths=(1, 3, 5))
+                     adaptive=True, widths=(1, 3, 5), guided_states=FSM.shape[0])
     be.costs = monotone_costs({(n, w): 1.0 + 0.45 * (w - 1) for w in be.widths})
     out = [[] for _ in range(n)]
     for s in range(n):
         out[s] += be.insert(s, SamplingRequest(tuple(prompt), T, sp.temperature, sp.top_p, sp.top_k, seed=s,
-                                               min_p=sp.min_p)).tokens
+                                               min_p=sp.min_p, grammar=TokenFSM(FSM))).tokens
     cycle, t, drafted, accepted = (3, 1, 5), 0, 0, 0
     while min(len(o) for o in out) < T:
         res = be.step(list(range(n)), width=None if t % 2 == 0 else cycle[(t // 2) % len(cycle)])
@@ -184,7 +197,8 @@ def _slots_draws(target, drafter, prompt, sp: SamplingParams, n: int, T: int):
 def test_serving_slots_sample_the_target_law_at_every_width(law_pair):
     """The slots backend's sampled tokens follow the target's processed law at every position, with verify widths
     chosen by the adaptive scheduler (from the previous step's survival: lossless) and cycled through 1, 3, 5,
-    1000 rows in one batch, each request's top-p and min-p carried by the host columns. 8 positions x 2 checks at
+    1000 rows in one batch, each request's top-p and min-p carried by the host columns and its tokens constrained by
+    an automaton (``jdspark.grammar``: ``FSM``, whose mask moves with every token). 8 positions x 2 checks at
     ALPHA: false-failure rate <= 1.6e-3.
 
     In this CPU's sampling form ("bisect", ``dispatch.sampling_form``) only: the other ("sort", a GPU's) differs in
@@ -201,8 +215,9 @@ def test_serving_slots_sample_the_target_law_at_every_width(law_pair):
           f"accepted {accepted}")
     assert 0 < accepted < drafted  # drafts both accepted and rejected
     assert all(be.width_counts[w] > 0 for w in be.widths)
-    law = _conditional_law(target, prompt, draws, sp)
-    assert np.abs(law - _conditional_law(target, prompt, draws, SamplingParams(1.0, 0, 0.9))).max() > 0.05  # min-p
+    law = _conditional_law(target, prompt, draws, sp, fsm=FSM)
+    assert np.abs(law - _conditional_law(target, prompt, draws, SamplingParams(1.0, 0, 0.9), fsm=FSM)).max() > 0.05
+    assert np.abs(law - _conditional_law(target, prompt, draws, sp)).max() > 0.05  # the automaton moves it too
     pv = _position_pvalues(draws, law)
     bad = [(t, p) for t, p in enumerate(pv) if min(p) <= ALPHA]
     assert not bad, f"positions failing (token, rank) p-values: {bad}"

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from jdspark.grammar import choice_fsm
 from jdspark.serve_request import ApiError, parse_completion, prompt_ids
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob, scripted_rank
@@ -572,6 +573,38 @@ def test_prompt_logprobs_in_vllms_form(srv):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "prompt_logprobs": 1, **body})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_guided_choice_reaches_the_backend_as_its_automaton(srv):
+    """vLLM's guided_choice and structured_outputs.choice: the backend is handed the choices' table over the
+    vocabulary (EOS and the request's stop ids its stops); the refusals name their field."""
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", "max_tokens": 4,
+                                                      "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200, r.text
+    want = choice_fsm(["yes", "no"], srv.tok, srv.tok.vocab_size, (srv.tok.eos_id,)).next_QV
+    np.testing.assert_array_equal(srv.backend.requests[-1].grammar.next_QV, want)
+    msgs = [{"role": "user", "content": "q"}]
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "stop_token_ids": [7],
+                                                           "structured_outputs": {"choice": ["a b", "c"]}})
+    assert r.status_code == 200, r.text
+    want = choice_fsm(["a b", "c"], srv.tok, srv.tok.vocab_size, (srv.tok.eos_id, 7)).next_QV
+    np.testing.assert_array_equal(srv.backend.requests[-1].grammar.next_QV, want)
+    assert httpx.post(srv.url + "/v1/completions", json={"prompt": "q"}).status_code == 200
+    assert srv.backend.requests[-1].grammar is None
+    for body, message, param in (
+            ({"guided_choice": []}, "must be a non-empty list of non-empty strings", "guided_choice"),
+            ({"guided_choice": ["x", ""]}, "must be a non-empty list of non-empty strings", "guided_choice"),
+            ({"structured_outputs": {"json": {}}}, "['json'] is not supported", "structured_outputs"),
+            ({"guided_choice": ["x"], "structured_outputs": {"choice": ["y"]}}, "give one of", "structured_outputs"),
+            ({"guided_choice": ["x"], "ignore_eos": True}, "not with ignore_eos", "guided_choice"),
+            ({"guided_choice": ["a" * 40]}, "automaton of 41 states; this server takes at most 32", "guided_choice"),
+            ({"guided_regex": "a+"}, "'guided_regex' = \"a+\" is not supported", "guided_regex")):
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+        assert r.json()["error"]["param"] == param
+    with pytest.raises(ApiError, match="start it with --guided-states"):
+        parse_completion({"prompt": "q", "guided_choice": ["x"]}, tokenizer=srv.tok, vocab_size=srv.tok.vocab_size,
+                         max_context=64, model_name="m")
 
 
 def test_best_of_returns_the_likeliest_completions(srv):

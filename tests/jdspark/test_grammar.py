@@ -1,0 +1,140 @@
+"""Constrained decoding (``jdspark.grammar``): the token table against a brute force over every state and token,
+generate's constrained greedy output (plain and DSpark, drafts accepted and rejected) against a decoder that masks
+the target's teacher-forced logits on the host, and the serving slots' constrained rows (greedy and sampled, beside
+unconstrained ones) equal to batch-1 generate token for token."""
+
+import numpy as np
+import pytest
+
+import jdspark
+from jdspark.engine import SamplingRequest
+from jdspark.grammar import choice_automaton, choice_fsm, token_fsm
+from jdspark.slots import SlotBackend
+from kimi.tokenizer import ByteTokenizer
+from tests.jdspark.test_logprobs import pair  # noqa: F401  (the tiny pair: drafts partly wrong)
+
+EOS = 2
+
+
+def _brute(choices, token_bytes, V, stops):
+    """next[q, v] from the definition: states are the choices' prefixes (q = the trie's numbering, rebuilt here by
+    first appearance); v goes from prefix p to p + bytes(v) where that is a prefix of a choice."""
+    prefixes = [b""]
+    for c in choices:
+        for i in range(1, len(c) + 1):
+            if c[:i] not in prefixes:
+                prefixes.append(c[:i])
+    out = np.full((len(prefixes), V), -1, np.int64)
+    for q, p in enumerate(prefixes):
+        for v in range(V):
+            b = token_bytes[v] if v < len(token_bytes) else None
+            if v in stops:
+                out[q, v] = q if p in choices else -1
+            elif b and p + b in prefixes:
+                out[q, v] = prefixes.index(p + b)
+    return out
+
+
+@pytest.mark.parametrize("vocab", ["bytes", "pieces"])
+def test_token_table_equals_the_definition(vocab):
+    """Every state and token: the table's next state is the brute force's (the trie numbers prefixes in order of
+    first appearance, as the brute force does); stop ids only where a whole choice ends; special ids never."""
+    choices = [b"yes", b"no", b"not sure", "né".encode()]
+    if vocab == "bytes":
+        tok = ByteTokenizer()
+        tb = [tok.token_bytes(v) if v < 256 else None for v in range(tok.vocab_size)]
+        got = choice_fsm([c.decode() for c in choices], tok, tok.vocab_size, (tok.eos_id,)).next_QV
+        V, stops = tok.vocab_size, {tok.eos_id}
+    else:  # multi-byte tokens, one that spans a choice's end and one spanning two characters' bytes
+        tb = [None, None, None, b"y", b"yes", b"no", b"not", b" ", b"sure", b"n", b"ot s", b"e", b"s",
+              "é".encode()[:1], "é".encode()[1:], "é".encode(), b"o", b"nox", b""]
+        V, stops = len(tb), {2}
+        delta, accept = choice_automaton(choices)
+        got = token_fsm(delta, accept, tb, V, (2,)).next_QV
+    want = _brute(choices, tb, V, stops)
+    np.testing.assert_array_equal(got, want)
+    assert (got >= 0).sum() > len(got)  # several tokens allowed somewhere (not a trivial table)
+    if vocab == "bytes":
+        assert (np.delete(got[:, 256:], 1, axis=1) < 0).all()  # special ids never, but EOS (257) as the stop
+        assert got[:, 257].max() >= 0
+
+
+def _ids_fsm(choices, V):
+    """A table over a built model's ids: id v (3..V-1) stands for the byte v (0, 1, 2: pad, BOS, EOS)."""
+    delta, accept = choice_automaton([bytes(c) for c in choices])
+    return token_fsm(delta, accept, [None] * 3 + [bytes([v]) for v in range(3, V)], V, (EOS,))
+
+
+def _reference(target, prompt, fsm, n):
+    """Greedy decoding masked on the host: each token the argmax of the target's logits (one prefill of the
+    sequence so far, right-padded to a fixed length) among those the table allows, until EOS or n tokens."""
+    seq, out, q = list(prompt), [], 0
+    T = len(prompt) + n
+    for _ in range(n):
+        padded = np.zeros((1, T), np.int32)
+        padded[0, :len(seq)] = seq
+        z = np.asarray(target.prefill(padded, target.init_cache(1, T)).logits, np.float32)[0, len(seq) - 1]
+        z = np.where(fsm.next_QV[q] >= 0, z, -np.inf)
+        t = int(z.argmax())
+        out.append(t)
+        q = int(fsm.next_QV[q, t])
+        if t == EOS:
+            break
+        seq.append(t)
+    return out
+
+
+def test_constrained_greedy_generate_equals_the_masked_reference(pair):  # noqa: F811
+    """Plain and DSpark: the output is one of the choices then EOS, token for token the host's masked decoder's;
+    one choice follows the model's own greedy text (its drafts are accepted), the others leave it (rejected)."""
+    target, drafter = pair
+    V = target.config.vocab_size
+    rng = np.random.default_rng(3)
+    drafted = accepted = 0
+    for p in range(3):
+        prompt = [1] + rng.integers(3, V, 12).tolist()
+        own = [t for t in jdspark.generate(target, None, np.asarray(prompt), max_new_tokens=6,
+                                           eos_token_id=-1).tokens.tolist() if t > 2][:5]
+        choices = [own, [own[0], (own[1] + 7) % (V - 3) + 3, 9], [11, 12, 13, 14, 15, 16, 17]]
+        fsm = _ids_fsm(choices, V)
+        want = _reference(target, prompt, fsm, 12)
+        assert want[-1] == EOS and want[:-1] in choices, want
+        for d in (None, drafter):
+            got = jdspark.generate(target, d, np.asarray(prompt), max_new_tokens=12, grammar=fsm)
+            assert got.tokens.tolist() == want, (p, d is None, got.tokens, want)
+        drafted, accepted = drafted + int(got.stats.drafted), accepted + int(got.stats.accepted)
+        free = jdspark.generate(target, None, np.asarray(prompt), max_new_tokens=12).tokens.tolist()
+        assert free != want  # unconstrained, it does not stop there
+    assert 0 < accepted < drafted
+
+
+def test_served_constrained_rows_equal_batch_one_generate(pair):  # noqa: F811
+    """A backend with guided slots: a constrained greedy row, a constrained sampled row and an unconstrained one,
+    stepped together at the whole block's width, each equal to batch-1 generate with its own settings; a table
+    past the slots' states, or a backend without them, is refused by name."""
+    target, drafter = pair
+    V = target.config.vocab_size
+    be = SlotBackend(target, drafter, num_slots=3, max_len=64, prompt_buckets=(16,), batch_buckets=(3,),
+                     guided_states=16)
+    rng = np.random.default_rng(8)
+    fsm = _ids_fsm([[5, 6, 7, 8, 9], [5, 10], [20, 21, 22, 23, 24, 25]], V)
+    asks = [([1] + rng.integers(3, V, 10).tolist(), dict(grammar=fsm)),
+            ([1] + rng.integers(3, V, 8).tolist(), dict(grammar=fsm, temperature=1.0, seed=4)),
+            ([1] + rng.integers(3, V, 9).tolist(), dict(temperature=1.0, seed=5))]
+    outs = [[] for _ in asks]
+    for s, (p, kw) in enumerate(asks):
+        outs[s] += be.insert(s, SamplingRequest(tuple(p), 12, **kw)).tokens
+    while min(map(len, outs)) < 12:
+        for s, r in be.step([0, 1, 2], width=be.G + 1).items():
+            outs[s] += r.tokens
+    for (p, kw), got in zip(asks, outs):
+        ref = jdspark.generate(target, drafter, np.asarray(p), max_new_tokens=12, **kw).tokens.tolist()
+        assert got[:len(ref)] == ref, (kw, got, ref)
+        if "grammar" in kw:
+            assert ref[-1] == EOS and ref[:-1] in ([5, 6, 7, 8, 9], [5, 10], [20, 21, 22, 23, 24, 25]), ref
+    big = _ids_fsm([list(range(3, 30))], V)
+    with pytest.raises(ValueError, match="take at most 16 states"):
+        be.insert(0, SamplingRequest((1, 5), 4, grammar=big))
+    plain = SlotBackend(target, None, num_slots=1, max_len=64, prompt_buckets=(16,))
+    with pytest.raises(ValueError, match="built without it"):
+        plain.insert(0, SamplingRequest((1, 5), 4, grammar=fsm))
