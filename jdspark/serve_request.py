@@ -20,7 +20,7 @@ from jdspark.grammar import choice_fsm
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 
 __all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids",
-           "split_prompts"]
+           "reject_unsupported", "split_prompts"]
 
 
 class ApiError(Exception):
@@ -60,8 +60,9 @@ UNSUPPORTED_FIELDS = {
 }
 
 
-def _reject_unsupported(body: dict) -> None:
-    for name, ok in UNSUPPORTED_FIELDS.items():
+def reject_unsupported(body: dict, fields: dict = UNSUPPORTED_FIELDS) -> None:
+    """A 400 naming the first of ``fields`` ({name: the values that ask for nothing}) the body sets otherwise."""
+    for name, ok in fields.items():
         v = body.get(name)
         if v is None or any(v == o and type(v) is type(o) for o in ok):
             continue
@@ -367,7 +368,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
            max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16,
            guided_states=0):
     check_body(body, model_name)
-    _reject_unsupported(body)
+    reject_unsupported(body)
     if chat and body.get("echo") not in (None, False):
         raise ApiError(400, "'echo' is not supported on /v1/chat/completions (only on /v1/completions)", "echo",
                        code="unsupported")

@@ -39,7 +39,7 @@ from typing import Optional
 
 from jdspark import reasoning, tool_calls
 from jdspark.engine import combined_usage
-from jdspark.serve_request import ApiError
+from jdspark.serve_request import ApiError, reject_unsupported
 
 __all__ = ["chat_body", "response_object", "output_items", "stream_events", "new_id", "usage", "status_of"]
 
@@ -143,11 +143,7 @@ def chat_body(body) -> tuple:
     """(the chat completions body of a Responses body, the request's settings its response object repeats)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    for name, ok in _UNSUPPORTED.items():
-        v = body.get(name)
-        if v is not None and not any(v == o and type(v) is type(o) for o in ok):
-            raise ApiError(400, f"'{name}' = {json.dumps(v)[:60]} is not supported by this server (responses are "
-                                "not stored or run in the background here)", name, code="unsupported")
+    reject_unsupported(body, _UNSUPPORTED)
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if body.get("text") is not None and not isinstance(body.get("text"), dict):
         raise ApiError(400, "'text' must be an object", "text")

@@ -10,29 +10,19 @@ import httpx
 import pytest
 
 from jdspark.serve_responses import chat_body
-from kimi.tokenizer import ByteTokenizer
-from tests.jdspark.serve_helpers import LiveServer, expected_text
-from tests.jdspark.test_tool_calls import ANSWER, CALLS, TEMPLATE
+from tests.jdspark.serve_helpers import expected_text
+from tests.jdspark.test_reasoning import srv  # noqa: F401  (a server whose answers think, and call tools)
+from tests.jdspark.test_tool_calls import CALLS
 
 TOOLS = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
          {"type": "function", "name": "get_time", "parameters": {"type": "object"}}]
 
 
-@pytest.fixture(scope="module")
-def srv():
-    enc = ByteTokenizer().encode
-    s = LiveServer(num_slots=2, chat_template=TEMPLATE, reasoning_parser="think",
-                   reply={b"[think]": enc("<think>Paris is in France.</think>It is sunny."),
-                          b"[reply]": enc("<think>Need the weather tool.</think>" + ANSWER)})
-    yield s
-    s.close()
-
-
-def _post(srv, body):
+def _post(srv, body):  # noqa: F811
     return httpx.post(srv.url + "/v1/responses", json=body)
 
 
-def _events(srv, body) -> list:
+def _events(srv, body) -> list:  # noqa: F811
     with httpx.stream("POST", srv.url + "/v1/responses", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
@@ -43,7 +33,7 @@ def _events(srv, body) -> list:
     return events
 
 
-def test_text_input_and_instructions_as_a_chat_conversation(srv):
+def test_text_input_and_instructions_as_a_chat_conversation(srv):  # noqa: F811
     """A string input with instructions is the chat [system, user]: the backend gets that prompt; the answer is one
     message; cut by max_output_tokens the response is incomplete; usage in the API's names plus acceptance."""
     body = {"input": "count", "instructions": "be brief", "max_output_tokens": 6, "ignore_eos": True,
@@ -68,7 +58,7 @@ def test_text_input_and_instructions_as_a_chat_conversation(srv):
            ("be brief", 6, {"run": "1"}, False)
 
 
-def test_default_length_is_the_rest_of_the_context_and_reasoning_is_an_item(srv):
+def test_default_length_is_the_rest_of_the_context_and_reasoning_is_an_item(srv):  # noqa: F811
     """Without max_output_tokens the answer runs to its end (here the scripted reply's EOS): completed; with the
     reasoning parser the think block is a reasoning item before the message."""
     resp = _post(srv, {"input": "[think] weather?"}).json()
@@ -80,7 +70,7 @@ def test_default_length_is_the_rest_of_the_context_and_reasoning_is_an_item(srv)
     assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == len("Paris is in France.")  # bytes
 
 
-def test_function_calls_streamed_and_not_and_their_results_rendered_back(srv):
+def test_function_calls_streamed_and_not_and_their_results_rendered_back(srv):  # noqa: F811
     """The answer's tool calls are function_call items (call_id the model's id); streamed, their arguments come as
     deltas that join to the same; a next turn's function_call / function_call_output items render as the chat's
     assistant tool_calls and tool messages."""
@@ -121,7 +111,7 @@ def test_function_calls_streamed_and_not_and_their_results_rendered_back(srv):
     assert srv.backend.requests[-1].prompt_ids == tuple(want.json()["tokens"])
 
 
-def test_streamed_text_equals_the_whole_response(srv):
+def test_streamed_text_equals_the_whole_response(srv):  # noqa: F811
     body = {"input": "hello", "max_output_tokens": 9, "ignore_eos": True}
     events = _events(srv, body)
     whole = _post(srv, body).json()
@@ -154,7 +144,7 @@ def test_streamed_text_equals_the_whole_response(srv):
      "tool_choice"),
     ({"input": "x", "model": "gpt-9"}, "does not exist", "model"),
 ])
-def test_bad_requests_are_refused_by_name(srv, body, message, param):
+def test_bad_requests_are_refused_by_name(srv, body, message, param):  # noqa: F811
     r = _post(srv, body)
     assert r.status_code in (400, 404) and message in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == param
@@ -175,7 +165,7 @@ def test_the_chat_body_of_settings():
     assert "chat_template_kwargs" not in chat_body({"input": "x"})[0]
 
 
-def test_a_client_that_goes_away_mid_stream_frees_its_slot(srv):
+def test_a_client_that_goes_away_mid_stream_frees_its_slot(srv):  # noqa: F811
     """A streamed response whose client disconnects is cancelled (an "abort", not a 3000-token answer run to its
     end): its slot is freed and nothing stays running."""
     before = _aborts(srv)
@@ -192,7 +182,7 @@ def test_a_client_that_goes_away_mid_stream_frees_its_slot(srv):
     assert _post(srv, {"input": "after", "max_output_tokens": 2}).status_code == 200  # still serving
 
 
-def _aborts(srv) -> float:
+def _aborts(srv) -> float:  # noqa: F811
     text = httpx.get(srv.url + "/metrics").text
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                if ln.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in ln)
