@@ -24,8 +24,9 @@ passed to the template. Forcing a call ("required", a named function) needs cons
 With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
 (``jdspark.reasoning``).
 
-Constrained decoding (``--guided-states Q``): vLLM's ``guided_choice`` / ``structured_outputs: {"choice": [...]}``,
-the answer one of the strings, then EOS (``jdspark.grammar``; masked at every verified position: lossless).
+Constrained decoding (``--guided-states Q``): vLLM's ``guided_choice`` / ``guided_regex`` / ``structured_outputs``
+choice or regex, the answer one of the strings or a text the pattern matches whole, then EOS (``jdspark.grammar``;
+masked at every verified position: lossless).
 
 Penalties and logit controls (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``
 (vLLM's semantics, ``jdspark.sampling.Penalties``), ``logit_bias`` (OpenAI's: {"token id": -100..100}) and
@@ -371,7 +372,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "programs (without it a request asking for them is a 400: compiled in, steps of requests "
                          "without them cost 3-4%% more at the whole block's width, docs/serving.md)")
     ap.add_argument("--guided-states", type=int, default=0, metavar="Q",
-                    help="constrained decoding (vLLM's guided_choice / structured_outputs.choice, jdspark.grammar): "
+                    help="constrained decoding (vLLM's guided_choice / guided_regex / structured_outputs choice or "
+                         "regex, jdspark.grammar): "
                          "each slot carries an automaton of up to Q states (Q x vocabulary int32); 0 (the default): "
                          "not compiled in, a request asking for it is a 400")
     ap.add_argument("--max-n", type=int, default=16,

@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 
 from jdspark import reasoning
 from jdspark.engine import SamplingRequest
-from jdspark.grammar import choice_fsm
+from jdspark.grammar import choice_automaton, regex_automaton, vocab_fsm
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 
 __all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids",
@@ -53,8 +53,8 @@ UNSUPPORTED_FIELDS = {
     "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},),
     # vLLM's extra fields: beam search, structured outputs (constrained decoding is not built), multi-token bans,
     # custom logits processors, embeddings as prompts, token ids spelled as strings, scheduling priority
-    "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_json": (), "guided_regex": (),
-    "guided_grammar": (), "bad_words": ([],),
+    "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_json": (), "guided_grammar": (),
+    "bad_words": ([],),
     "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,), "priority": (0,),
     "spaces_between_special_tokens": (True,), "documents": ([],),
 }
@@ -173,34 +173,44 @@ def _prompt_logprobs(body: dict, max_logprobs: Optional[int], stream: bool) -> O
 
 
 def _grammar(body: dict, tokenizer, vocab_size: int, guided_states: int, ignore_eos: bool, stop_ids) -> object:
-    """The request's constraint (``jdspark.grammar.TokenFSM``; None: none): vLLM's ``guided_choice`` or
-    ``structured_outputs: {"choice": [...]}``, the answer one of the strings, then EOS or a stop_token_id."""
-    choice, so = body.get("guided_choice"), body.get("structured_outputs")
-    if choice is None and so is None:
+    """The request's constraint (``jdspark.grammar.TokenFSM``; None: none): vLLM's ``guided_choice`` /
+    ``guided_regex`` or ``structured_outputs: {"choice": [...]}`` / ``{"regex": "..."}``, the answer one of the
+    strings or a text the pattern matches whole, then EOS or a stop_token_id."""
+    asked = {k: body[k] for k in ("guided_choice", "guided_regex", "structured_outputs") if body.get(k) is not None}
+    if not asked:
         return None
-    if choice is not None and so is not None:
-        raise ApiError(400, "give one of 'guided_choice' and 'structured_outputs'", "structured_outputs")
-    name = "guided_choice"
-    if so is not None:
-        name = "structured_outputs"
-        if not isinstance(so, dict) or set(so) - {"choice"} or "choice" not in so:
-            other = sorted(set(so) - {"choice"}) if isinstance(so, dict) else []
-            raise ApiError(400, f"'structured_outputs' {other or 'form'} is not supported (it takes {{\"choice\": "
-                                "[...]}: JSON, regex and grammars are not built)", name, code="unsupported")
-        choice = so["choice"]
-    if not isinstance(choice, list) or not choice or not all(isinstance(c, str) and c for c in choice):
+    if len(asked) > 1:
+        raise ApiError(400, f"give one of {sorted(asked)}", sorted(asked)[-1])
+    (name, value), = asked.items()
+    kind = {"guided_choice": "choice", "guided_regex": "regex"}.get(name)
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or len(value) != 1 or not set(value) <= {"choice", "regex"}:
+            other = sorted(set(value) - {"choice", "regex"}) if isinstance(value, dict) else []
+            raise ApiError(400, f"'structured_outputs' {other or 'form'} is not supported (it takes one of "
+                                "{\"choice\": [...]} and {\"regex\": \"...\"}: JSON and grammars are not built)",
+                           name, code="unsupported")
+        (kind, value), = value.items()
+    if kind == "choice" and (not isinstance(value, list) or not value
+                             or not all(isinstance(c, str) and c for c in value)):
         raise ApiError(400, f"'{name}' must be a non-empty list of non-empty strings", name)
+    if kind == "regex" and (not isinstance(value, str) or not value):
+        raise ApiError(400, f"'{name}' must be a non-empty regular expression", name)
     if not guided_states:
         raise ApiError(400, f"'{name}': constrained decoding is off on this server (start it with --guided-states Q)",
                        name, code="unsupported")
     if ignore_eos or tokenizer.eos_id is None:
         raise ApiError(400, f"'{name}' ends the answer with EOS: not with ignore_eos (or a tokenizer without one)",
                        name)
-    fsm = choice_fsm(choice, tokenizer, vocab_size, (tokenizer.eos_id, *stop_ids))
-    if fsm.num_states > guided_states:
-        raise ApiError(400, f"'{name}': the choices make an automaton of {fsm.num_states} states; this server takes "
-                            f"at most {guided_states} (--guided-states)", name)
-    return fsm
+    try:
+        automaton = choice_automaton([c.encode("utf-8") for c in value]) if kind == "choice" else \
+            regex_automaton(value)
+    except ValueError as e:  # a pattern not taken (what, where), or too large
+        raise ApiError(400, f"'{name}': {e}", name) from None
+    states = automaton[0].shape[0]
+    if states > guided_states:  # before lifting it to the vocabulary (Q x V)
+        raise ApiError(400, f"'{name}': the {'choices make' if kind == 'choice' else 'pattern makes'} an automaton of "
+                            f"{states} states; this server takes at most {guided_states} (--guided-states)", name)
+    return vocab_fsm(automaton, tokenizer, vocab_size, (tokenizer.eos_id, *stop_ids))
 
 
 def _tools(body: dict, chat: bool, tokenizer, tool_parser: Optional[str]) -> Optional[list]:

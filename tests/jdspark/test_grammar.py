@@ -3,12 +3,16 @@ generate's constrained greedy output (plain and DSpark, drafts accepted and reje
 the target's teacher-forced logits on the host, and the serving slots' constrained rows (greedy and sampled, beside
 unconstrained ones) equal to batch-1 generate token for token."""
 
+import random
+import re
+import zlib
+
 import numpy as np
 import pytest
 
 import jdspark
 from jdspark.engine import SamplingRequest
-from jdspark.grammar import choice_automaton, choice_fsm, token_fsm
+from jdspark.grammar import choice_automaton, choice_fsm, regex_automaton, token_fsm
 from jdspark.slots import SlotBackend
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.test_logprobs import pair  # noqa: F401  (the tiny pair: drafts partly wrong)
@@ -57,6 +61,69 @@ def test_token_table_equals_the_definition(vocab):
     if vocab == "bytes":
         assert (np.delete(got[:, 256:], 1, axis=1) < 0).all()  # special ids never, but EOS (257) as the stop
         assert got[:, 257].max() >= 0
+
+
+PATTERNS = [r"(yes|no)", r"a+b*", r"[a-c]{2,3}x?", r"\d{3}-\d{2}", r"(ab|a)*c", r"[^a-c]+", r"x.y",
+            r"(?:foo|bar){1,2}", r"\w+@\w+\.com", r"a|", r"(a|b)*abb", r"é+[0-9]", r"^[\s,]*\D?$", r"o{2,}"]
+ALPHABET = "abcfoxyr0129-@.m é\n,"
+
+
+def _matches(delta, accept, text: str) -> bool:
+    q = 0
+    for b in text.encode():
+        q = int(delta[q, b])
+        if q < 0:
+            return False
+    return bool(accept[q])
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_automaton_matches_as_python_re_fullmatch(pattern):
+    """Over 4000 strings (random ones from an alphabet that hits the patterns' edges, and pieces of matching ones
+    mutated), the automaton accepts exactly what ``re.fullmatch`` does; every state can still reach an accepting
+    one (no dead ends), and 0 is the start."""
+    delta, accept = regex_automaton(pattern)
+    rng = random.Random(zlib.crc32(pattern.encode()))  # fixed per pattern (str hashes vary by process)
+    texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 8))) for _ in range(3000)]
+    words = ["yes", "no", "ab", "abb", "aabb", "ac", "foo", "bar", "foobar", "x@y.com", "123-45", "éé1", "oo", "ooo",
+             " ,", "a", "bc", ""]
+    texts += [w[:rng.randint(0, len(w))] + rng.choice(["", rng.choice(ALPHABET)]) + w[rng.randint(0, len(w)):]
+              for w in words for _ in range(55)]
+    got = [_matches(delta, accept, t) for t in texts]
+    want = [re.fullmatch(pattern, t) is not None for t in texts]
+    assert got == want, [t for t, g, w in zip(texts, got, want) if g != w][:5]
+    assert any(want) and not all(want)
+    reach = accept.copy()  # states from which an accepting one is reachable: all of them
+    for _ in range(len(accept)):
+        reach = reach | np.array([reach[r[r >= 0]].any() for r in delta])
+    assert reach.all()
+
+
+@pytest.mark.parametrize("pattern,message", [("a(b", "missing ')'"), ("*a", "nothing to repeat"),
+                                             ("a{3,1}", "max below min"), (r"\q", "the escape \\q is not taken"),
+                                             ("(?=a)", "only (?: ) groups"), ("a^b", "only at the pattern's start"),
+                                             ("[z-a]", "ASCII characters, in order"), ("[a", "missing ']'")])
+def test_regex_refusals_say_what_and_where(pattern, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        regex_automaton(pattern)
+
+
+def test_constrained_regex_generate_is_in_the_language(pair):  # noqa: F811
+    """A regex constraint through generate (DSpark): the output (ids as bytes) matches the pattern whole, then
+    EOS, token for token the host's masked decoder; sampled, every draw matches too."""
+    target, drafter = pair
+    V = target.config.vocab_size
+    pattern = "[\x05-\x0c]{2,4}(\x14|\x15\x16)"
+    delta, accept = regex_automaton(pattern)
+    fsm = token_fsm(delta, accept, [None] * 3 + [bytes([v]) for v in range(3, V)], V, (EOS,))
+    prompt = [1, 9, 33, 17, 40, 5]
+    want = _reference(target, prompt, fsm, 10)
+    got = jdspark.generate(target, drafter, np.asarray(prompt), max_new_tokens=10, grammar=fsm).tokens.tolist()
+    assert got == want and got[-1] == EOS and re.fullmatch(pattern, bytes(got[:-1]).decode("latin-1"))
+    for seed in range(4):
+        out = jdspark.generate(target, drafter, np.asarray(prompt), max_new_tokens=10, grammar=fsm,
+                               temperature=1.0, seed=seed).tokens.tolist()
+        assert out[-1] == EOS and re.fullmatch(pattern, bytes(out[:-1]).decode("latin-1")), out
 
 
 def _ids_fsm(choices, V):

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jdspark.grammar import choice_fsm
+from jdspark.grammar import choice_fsm, regex_fsm
 from jdspark.serve_request import ApiError, parse_completion, prompt_ids
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob, scripted_rank
@@ -576,8 +576,9 @@ def test_prompt_logprobs_in_vllms_form(srv):
 
 
 def test_guided_choice_reaches_the_backend_as_its_automaton(srv):
-    """vLLM's guided_choice and structured_outputs.choice: the backend is handed the choices' table over the
-    vocabulary (EOS and the request's stop ids its stops); the refusals name their field."""
+    """vLLM's guided_choice / guided_regex and structured_outputs.choice / .regex: the backend is handed the
+    automaton's table over the vocabulary (EOS and the request's stop ids its stops); the refusals name their field
+    (a pattern not taken says what and where)."""
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", "max_tokens": 4,
                                                       "guided_choice": ["yes", "no"]})
     assert r.status_code == 200, r.text
@@ -589,6 +590,11 @@ def test_guided_choice_reaches_the_backend_as_its_automaton(srv):
     assert r.status_code == 200, r.text
     want = choice_fsm(["a b", "c"], srv.tok, srv.tok.vocab_size, (srv.tok.eos_id, 7)).next_QV
     np.testing.assert_array_equal(srv.backend.requests[-1].grammar.next_QV, want)
+    for body in ({"guided_regex": r"\d{2}-[a-c]+"}, {"structured_outputs": {"regex": r"\d{2}-[a-c]+"}}):
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", "max_tokens": 4, **body})
+        assert r.status_code == 200, r.text
+        want = regex_fsm(r"\d{2}-[a-c]+", srv.tok, srv.tok.vocab_size, (srv.tok.eos_id,)).next_QV
+        np.testing.assert_array_equal(srv.backend.requests[-1].grammar.next_QV, want)
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "q"}).status_code == 200
     assert srv.backend.requests[-1].grammar is None
     for body, message, param in (
@@ -598,7 +604,11 @@ def test_guided_choice_reaches_the_backend_as_its_automaton(srv):
             ({"guided_choice": ["x"], "structured_outputs": {"choice": ["y"]}}, "give one of", "structured_outputs"),
             ({"guided_choice": ["x"], "ignore_eos": True}, "not with ignore_eos", "guided_choice"),
             ({"guided_choice": ["a" * 40]}, "automaton of 41 states; this server takes at most 32", "guided_choice"),
-            ({"guided_regex": "a+"}, "'guided_regex' = \"a+\" is not supported", "guided_regex")):
+            ({"guided_regex": "a(b"}, "'guided_regex': regex 'a(b': missing ')' at position 3", "guided_regex"),
+            ({"guided_regex": "[a-z]{40}"}, "the pattern makes an automaton of 41 states", "guided_regex"),
+            ({"structured_outputs": {"regex": 5}}, "must be a non-empty regular expression", "structured_outputs"),
+            ({"guided_json": {"type": "object"}}, "'guided_json' = {\"type\": \"object\"} is not supported",
+             "guided_json")):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", **body})
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
         assert r.json()["error"]["param"] == param
