@@ -82,9 +82,11 @@ def pytest_runtest_makereport(item, call):
 # one long file from running alone at the end while the other worker idles (longest-processing-time scheduling).
 # Measured on a cold 2-core run, most expensive first; every other file follows in its usual order.
 _LONGEST_FIRST = (  # seventeenth session: every file over 8 s in one cold single-process run, by its total
+    # (forty-first: test_prefix, test_grammar, test_penalties, test_logprobs placed by estimate)
     "jdspark/test_sampling_law.py", "jdspark/test_slots.py", "kimi/test_prefill.py", "jdspark/test_speculative.py",
-    "kimi/test_layers_ops.py", "jdspark/test_train_drafter.py", "kimi/test_kernels_pallas.py",
-    "jdspark/test_long_context.py", "jdspark/test_generate_lossless.py", "test_train_target.py", "kimi/test_model.py",
+    "jdspark/test_prefix.py", "kimi/test_layers_ops.py", "jdspark/test_train_drafter.py", "kimi/test_kernels_pallas.py",
+    "jdspark/test_long_context.py", "jdspark/test_generate_lossless.py", "jdspark/test_grammar.py",
+    "jdspark/test_penalties.py", "jdspark/test_logprobs.py", "test_train_target.py", "kimi/test_model.py",
     "kimi/test_kda_ops.py", "sharding/test_sharded_model.py", "kimi/test_vision.py", "jdspark/test_vision_serving.py",
     "test_bench_long.py", "jdspark/test_sampling_rows.py", "parity/test_transformers_kimi_linear.py",
     "test_bench_slots.py", "jdspark/test_shipped_pair.py", "jdspark/test_drafter.py", "jdspark/test_sampling.py",
