@@ -130,8 +130,8 @@ Q_PAD = 16  # every table here padded to 16 states (rows of -1, never reached): 
 
 
 def _padded(fsm):
-    t = fsm.next_QV
-    return type(fsm)(np.concatenate([t, np.full((Q_PAD - t.shape[0], t.shape[1]), -1, np.int32)]))
+    t = fsm.next_QV  # (a larger one as it is)
+    return type(fsm)(np.concatenate([t, np.full((max(0, Q_PAD - t.shape[0]), t.shape[1]), -1, np.int32)]))
 
 
 def _ids_fsm(choices, V):
