@@ -1,6 +1,7 @@
-"""Constrained decoding (vLLM's ``guided_choice`` / ``structured_outputs.choice``): the output must be one of a list
-of strings, then a stop token. A byte automaton of the allowed texts is lifted to the vocabulary once, on the host,
-as one table the device indexes:
+"""Constrained decoding: the output must be one of a list of strings (``choice_automaton``), a text a regular
+expression matches whole (``regex_automaton``; JSON Schemas become one in ``jdspark.json_schema``), then a stop
+token. A byte automaton of the allowed texts is lifted to the vocabulary once, on the host, as one table the device
+indexes:
 
     next_QV[q, v] = the automaton's state after token v's bytes from state q, or -1 where they leave the language
                     (a stop id: q itself where q accepts, a finished text may end; -1 elsewhere)
@@ -21,7 +22,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["TokenFSM", "choice_automaton", "token_fsm", "vocab_fsm", "choice_fsm", "regex_automaton", "regex_fsm"]
+__all__ = ["TokenFSM", "choice_automaton", "token_fsm", "vocab_fsm", "choice_fsm", "regex_automaton", "minimize",
+           "after_marker", "regex_fsm"]
 
 
 class TokenFSM(NamedTuple):
@@ -79,9 +81,11 @@ def token_fsm(delta_Q256: np.ndarray, accept_Q: np.ndarray, token_bytes: Sequenc
     return TokenFSM(next_QV)
 
 
-def vocab_fsm(automaton: tuple, tokenizer, vocab_size: int, stop_ids: Sequence[int]) -> TokenFSM:
-    """A byte automaton (delta, accept) lifted to ``tokenizer``'s vocabulary (``token_fsm``; special ids never)."""
-    special = set(tokenizer.special_ids)
+def vocab_fsm(automaton: tuple, tokenizer, vocab_size: int, stop_ids: Sequence[int],
+              specials_as_text: Sequence[int] = ()) -> TokenFSM:
+    """A byte automaton (delta, accept) lifted to ``tokenizer``'s vocabulary (``token_fsm``; special ids never, but
+    ``specials_as_text``, walked as their text: a thinking model's ``</think>`` where it is a special token)."""
+    special = set(tokenizer.special_ids) - set(specials_as_text)
     tb = [None if v in special else tokenizer.token_bytes(v) for v in range(min(vocab_size, tokenizer.vocab_size))]
     return token_fsm(*automaton, tb, vocab_size, stop_ids)
 
@@ -93,10 +97,11 @@ def choice_fsm(choices: Sequence[str], tokenizer, vocab_size: int, stop_ids: Seq
 
 
 # ------------------------------------------------------------------------------------------------------------ regex
-# A regular expression (the common subset: literals and escapes, ``.``, classes ``[a-z]`` / ``[^...]``, ``\d \w \s``
-# and their negations, groups ``( )`` / ``(?: )``, ``|``, ``* + ?`` and ``{m}`` / ``{m,}`` / ``{m,n}``) matched
-# whole (as ``re.fullmatch``) over the text's UTF-8 bytes: a Thompson NFA over bytes, made deterministic by subsets,
-# then every state that cannot reach an accepting one removed (a stream is never led where no text can end).
+# A regular expression (the common subset: literals and escapes (``\xHH``, ``\uHHHH`` too), ``.``, classes
+# ``[a-z]`` / ``[^...]``, ``\d \w \s`` and their negations, groups ``( )`` / ``(?: )``, ``|``, ``* + ?`` and
+# ``{m}`` / ``{m,}`` / ``{m,n}``) matched whole (as ``re.fullmatch``) over the text's UTF-8 bytes: a Thompson NFA
+# over bytes, made deterministic by subsets, then every state that cannot reach an accepting one removed (a stream
+# is never led where no text can end) and the automaton minimized (``minimize``: the table the device holds is Q x V).
 # Characters are Unicode: ``.`` (but a newline, as Python's) and a negated class match any character's byte
 # sequence (ASCII ranges only in classes).
 
@@ -105,7 +110,8 @@ _ANY_UTF8 = [  # one character's UTF-8 bytes, as ranges per byte
     [(0xF0, 0xF4), (0x80, 0xBF), (0x80, 0xBF), (0x80, 0xBF)]]
 _CLASSES = {"d": [(0x30, 0x39)], "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
             "s": [(0x09, 0x0D), (0x20, 0x20)]}
-MAX_REGEX_STATES = 4096  # a pattern whose automaton grows past this is refused (ValueError)
+MAX_REGEX_STATES = 4096  # a pattern whose minimal automaton is larger is refused (ValueError)
+MAX_SUBSET_STATES = 8 * MAX_REGEX_STATES  # and one whose subset construction grows past this
 
 
 class _Parser:
@@ -116,7 +122,8 @@ class _Parser:
         self.p, self.i = pattern, 0
 
     def fail(self, what: str):
-        raise ValueError(f"regex {self.p!r}: {what} at position {self.i}")
+        shown = self.p if len(self.p) <= 80 else self.p[:77] + "..."
+        raise ValueError(f"regex {shown!r}: {what} at position {self.i}")
 
     def peek(self):
         return self.p[self.i] if self.i < len(self.p) else None
@@ -206,6 +213,12 @@ class _Parser:
         simple = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
         if c in simple:
             c = simple[c]
+        elif c in ("x", "u"):  # \xHH, \uHHHH: the character of that code point
+            digits = self.p[self.i:self.i + (2 if c == "x" else 4)]
+            if len(digits) != (2 if c == "x" else 4) or any(d not in "0123456789abcdefABCDEF" for d in digits):
+                self.fail(f"\\{c} takes {2 if c == 'x' else 4} hex digits")
+            self.i += len(digits)
+            c = chr(int(digits, 16))
         elif c.isalnum():
             self.fail(f"the escape \\{c} is not taken")
         return ("seq", c.encode("utf-8"))
@@ -351,38 +364,113 @@ def regex_automaton(pattern: str) -> tuple:
                     stack.append(t)
         return frozenset(seen)
 
+    shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+    # bytes no edge tells apart move alike: walk one class of them at a time (the classes' bounds: every edge's)
+    cuts = sorted({0, 256} | {b for edges in nfa.edges for lo, hi, _ in edges for b in (lo, hi + 1)})
+    class_of = np.zeros(257, np.int64)
+    for c, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        class_of[a:b] = c
+    members = [np.arange(a, b) for a, b in zip(cuts, cuts[1:])]
     first = closure([start])
-    index, order, rows = {first: 0}, [first], []
+    index, order, rows, closed = {first: 0}, [first], [], {}
     while len(rows) < len(order):
         S = order[len(rows)]
         row = np.full(256, -1, np.int32)
         moves: dict = {}
         for q in S:
             for lo, hi, t in nfa.edges[q]:
-                for b in range(lo, hi + 1):
-                    moves.setdefault(b, set()).add(t)
-        for b, ts in moves.items():
-            T = closure(ts)
+                for c in range(class_of[lo], class_of[hi] + 1):
+                    moves.setdefault(c, set()).add(t)
+        for c, ts in moves.items():
+            ts = frozenset(ts)
+            if ts not in closed:  # bytes leading to the same NFA states share one closure
+                closed[ts] = closure(ts)
+            T = closed[ts]
             if T not in index:
-                if len(order) >= MAX_REGEX_STATES:
-                    raise ValueError(f"regex {pattern!r}: its automaton exceeds {MAX_REGEX_STATES} states")
+                if len(order) >= MAX_SUBSET_STATES:
+                    raise ValueError(f"regex {shown!r}: its automaton exceeds {MAX_SUBSET_STATES} states before "
+                                     "minimizing")
                 index[T] = len(order)
                 order.append(T)
-            row[b] = index[T]
+            row[members[c]] = index[T]
         rows.append(row)
     delta, accept = np.stack(rows), np.array([end in S for S in order])
     # keep the states from which an accepting one can be reached, renumbered in order (the start stays 0)
-    live = accept.copy()
+    live, leads = accept.copy(), delta >= 0
+    target = np.maximum(delta, 0)
     while True:
-        grown = live | np.array([bool((live[r[r >= 0]]).any()) for r in delta])
+        grown = live | (live[target] & leads).any(axis=1)
         if (grown == live).all():
             break
         live = grown
     if not live[0]:
-        raise ValueError(f"regex {pattern!r}: matches no text")
+        raise ValueError(f"regex {shown!r}: matches no text")
     new = np.cumsum(live) - 1
     delta = np.where(delta >= 0, np.where(live[np.maximum(delta, 0)], new[np.maximum(delta, 0)], -1), -1)
-    return delta[live].astype(np.int32), accept[live]
+    delta, accept = minimize(delta[live].astype(np.int32), accept[live])
+    if delta.shape[0] > MAX_REGEX_STATES:
+        raise ValueError(f"regex {shown!r}: its automaton has {delta.shape[0]} states, more than "
+                         f"{MAX_REGEX_STATES}")
+    return delta, accept
+
+
+def minimize(delta_Q256: np.ndarray, accept_Q: np.ndarray) -> tuple:
+    """The smallest automaton of the same language (Moore's partition refinement: states stay together while
+    they agree on accepting and on the class each byte leads to; -1 is a class of its own). States are renumbered
+    in order of first reach from the start (0)."""
+    Q = delta_Q256.shape[0]
+    to = np.where(delta_Q256 >= 0, delta_Q256, Q)  # Q: the dead "state"
+    _, columns = np.unique(to.T, axis=0, return_index=True)  # one byte of each set the automaton treats alike
+    to_cols = np.vstack([to[:, columns], np.full((1, len(columns)), Q)])
+    cls = np.append(accept_Q.astype(np.int64), 2)
+    count = len(np.unique(cls))
+    while True:
+        sig = np.concatenate([cls[:, None], cls[to_cols]], axis=1)
+        ids: dict = {}
+        new = np.array([ids.setdefault(row, len(ids)) for row in map(tuple, sig.tolist())])
+        if len(ids) == count:
+            break
+        cls, count = new, len(ids)
+    order, seen = [], {}
+    frontier = [int(cls[0])]
+    seen[frontier[0]] = 0
+    rep = {}
+    for q in range(Q):
+        rep.setdefault(int(cls[q]), q)
+    while frontier:  # breadth-first from the start's class
+        c = frontier.pop(0)
+        order.append(c)
+        for t in to[rep[c]]:
+            ct = int(cls[t])
+            if t < Q and ct not in seen:
+                seen[ct] = len(seen)
+                frontier.append(ct)
+    out = np.full((len(order), 256), -1, np.int32)
+    for i, c in enumerate(order):
+        row = to[rep[c]]
+        out[i] = np.where(row < Q, [seen.get(int(cls[t]), -1) if t < Q else -1 for t in row], -1)
+    return out, np.array([bool(accept_Q[rep[c]]) for c in order])
+
+
+def after_marker(automaton: tuple, marker: bytes) -> tuple:
+    """Any text up to the first ``marker`` (a thinking model's reasoning and its ``</think>``), then a text of
+    ``automaton``: the marker's Knuth-Morris-Pratt automaton (state i: the last i bytes read are the marker's
+    first i; the text before holds no whole marker) with its completion leading to ``automaton``'s start. The
+    answer's states follow the marker's m, renumbered by m; only they accept."""
+    if not isinstance(marker, bytes) or not marker:
+        raise ValueError("after_marker: expected a non-empty byte marker")
+    delta, accept = automaton
+    m = len(marker)
+    kmp = np.zeros((m, 256), np.int64)
+    kmp[0, marker[0]] = 1
+    fallback = 0  # the state of the longest proper border of the prefix read so far
+    for i in range(1, m):
+        kmp[i] = kmp[fallback]
+        kmp[i, marker[i]] = i + 1
+        fallback = int(kmp[fallback, marker[i]])
+    head = kmp.astype(np.int32)  # completing the marker (state m): the answer's start
+    body = np.where(delta >= 0, delta + m, -1).astype(np.int32)
+    return np.concatenate([head, body]), np.concatenate([np.zeros(m, bool), accept])
 
 
 def regex_fsm(pattern: str, tokenizer, vocab_size: int, stop_ids: Sequence[int]) -> TokenFSM:

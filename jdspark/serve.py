@@ -20,13 +20,15 @@ nothing. A client that disconnects frees its slot.
 Tools (chat): ``tools`` with ``tool_choice`` "auto" (or "none") are rendered by the checkpoint's chat template, and
 the answer's calls are read in ``--tool-call-parser``'s format (Kimi K2's; ``jdspark.tool_calls``) into the
 message's ``tool_calls`` with ``finish_reason`` "tool_calls"; earlier turns' ``tool_calls`` and ``tool`` results are
-passed to the template. Forcing a call ("required", a named function) needs constrained decoding: a 400.
+passed to the template. Forcing a call ("required", a named function) is constrained decoding
+(``--guided-states``): the answer is the format's section of calls, arguments valid under each tool's parameters.
 With ``--reasoning-parser think`` a chat answer's ``<think>...</think>`` is its ``reasoning_content``
 (``jdspark.reasoning``).
 
-Constrained decoding (``--guided-states Q``): vLLM's ``guided_choice`` / ``guided_regex`` / ``structured_outputs``
-choice or regex, the answer one of the strings or a text the pattern matches whole, then EOS (``jdspark.grammar``;
-masked at every verified position: lossless).
+Constrained decoding (``--guided-states Q``): vLLM's ``guided_choice`` / ``guided_regex`` / ``guided_json`` /
+``structured_outputs`` and OpenAI's ``response_format`` (json_object, json_schema), the answer one of the strings, a
+text the pattern matches whole or a JSON document the schema validates, then EOS (``jdspark.serve_guided``,
+``jdspark.json_schema``, ``jdspark.grammar``; masked at every verified position: lossless).
 
 Penalties and logit controls (``--penalties``): ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``
 (vLLM's semantics, ``jdspark.sampling.Penalties``), ``logit_bias`` (OpenAI's: {"token id": -100..100}) and
@@ -209,7 +211,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return err(ApiError(503, str(e), type_="server_error"))
         return None
 
-    def parse(body, chat: bool, **kw):
+    def parse(body, chat: bool, **kw):  # run off the event loop: a new constraint's automaton takes seconds
         return parse_completion(
             body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
             chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
@@ -221,7 +223,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return err(ApiError(503, "warming up: compiling", type_="server_error"))
         try:
             body = await json_body(request)
-            qs = [parse(b, chat) for b in ([body] if chat else split_prompts(body))]
+            qs = await asyncio.to_thread(lambda: [parse(b, chat) for b in ([body] if chat else split_prompts(body))])
         except ApiError as e:
             return err(e)
         q = qs[0]  # the prompts' bodies differ only in the prompt
@@ -289,7 +291,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             return err(ApiError(503, "warming up: compiling", type_="server_error"))
         try:
             chat, meta = responses_api.chat_body(await json_body(request))
-            q = parse(chat, True, default_max_tokens=None)
+            q = await asyncio.to_thread(parse, chat, True, default_max_tokens=None)
         except ApiError as e:
             return err(e)
         events: asyncio.Queue = asyncio.Queue()
@@ -372,8 +374,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "programs (without it a request asking for them is a 400: compiled in, steps of requests "
                          "without them cost 3-4%% more at the whole block's width, docs/serving.md)")
     ap.add_argument("--guided-states", type=int, default=0, metavar="Q",
-                    help="constrained decoding (vLLM's guided_choice / guided_regex / structured_outputs choice or "
-                         "regex, jdspark.grammar): "
+                    help="constrained decoding (vLLM's guided_choice / guided_regex / guided_json / "
+                         "structured_outputs, OpenAI's response_format json_object / json_schema): "
                          "each slot carries an automaton of up to Q states (Q x vocabulary int32); 0 (the default): "
                          "not compiled in, a request asking for it is a 400")
     ap.add_argument("--max-n", type=int, default=16,

@@ -11,50 +11,25 @@ import json
 import math
 from typing import Any, NamedTuple, Optional
 
-from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 
 from jdspark import reasoning
 from jdspark.engine import SamplingRequest
-from jdspark.grammar import choice_automaton, regex_automaton, vocab_fsm
+from jdspark.serve_errors import ApiError, get_field
+from jdspark.serve_guided import forced_tool, guided_constraint
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 
 __all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids",
            "reject_unsupported", "split_prompts"]
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, type_: str = "invalid_request_error",
-                 code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-def get_field(body: dict, name: str, kinds, default, check=None, what: str = ""):
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) and bool not in kinds:
-        raise ApiError(400, f"'{name}' must be {what or kinds[0].__name__}, got a boolean", name)
-    if not isinstance(v, kinds):
-        raise ApiError(400, f"'{name}' must be {what or kinds[0].__name__}, got {type(v).__name__}", name)
-    if check is not None and not check(v):
-        raise ApiError(400, f"'{name}' must be {what}, got {v!r}", name)
-    return v
-
-
 # OpenAI / vLLM request fields this server does not implement, with the values that ask for nothing (clients send
 # them as defaults). Any other value is a 400 naming the field (code "unsupported"): never silently ignored.
 UNSUPPORTED_FIELDS = {
-    "suffix": ("",), "functions": ([],), "response_format": ({"type": "text"},),
-    # vLLM's extra fields: beam search, structured outputs (constrained decoding is not built), multi-token bans,
-    # custom logits processors, embeddings as prompts, token ids spelled as strings, scheduling priority
-    "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_json": (), "guided_grammar": (),
-    "bad_words": ([],),
+    "suffix": ("",), "functions": ([],),
+    # vLLM's extra fields: beam search, grammars (EBNF / Lark: constrained decoding takes regular languages only),
+    # multi-token bans, custom logits processors, embeddings as prompts, token ids spelled as strings, priority
+    "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_grammar": (), "bad_words": ([],),
     "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,), "priority": (0,),
     "spaces_between_special_tokens": (True,), "documents": ([],),
 }
@@ -172,50 +147,9 @@ def _prompt_logprobs(body: dict, max_logprobs: Optional[int], stream: bool) -> O
     return asked
 
 
-def _grammar(body: dict, tokenizer, vocab_size: int, guided_states: int, ignore_eos: bool, stop_ids) -> object:
-    """The request's constraint (``jdspark.grammar.TokenFSM``; None: none): vLLM's ``guided_choice`` /
-    ``guided_regex`` or ``structured_outputs: {"choice": [...]}`` / ``{"regex": "..."}``, the answer one of the
-    strings or a text the pattern matches whole, then EOS or a stop_token_id."""
-    asked = {k: body[k] for k in ("guided_choice", "guided_regex", "structured_outputs") if body.get(k) is not None}
-    if not asked:
-        return None
-    if len(asked) > 1:
-        raise ApiError(400, f"give one of {sorted(asked)}", sorted(asked)[-1])
-    (name, value), = asked.items()
-    kind = {"guided_choice": "choice", "guided_regex": "regex"}.get(name)
-    if name == "structured_outputs":
-        if not isinstance(value, dict) or len(value) != 1 or not set(value) <= {"choice", "regex"}:
-            other = sorted(set(value) - {"choice", "regex"}) if isinstance(value, dict) else []
-            raise ApiError(400, f"'structured_outputs' {other or 'form'} is not supported (it takes one of "
-                                "{\"choice\": [...]} and {\"regex\": \"...\"}: JSON and grammars are not built)",
-                           name, code="unsupported")
-        (kind, value), = value.items()
-    if kind == "choice" and (not isinstance(value, list) or not value
-                             or not all(isinstance(c, str) and c for c in value)):
-        raise ApiError(400, f"'{name}' must be a non-empty list of non-empty strings", name)
-    if kind == "regex" and (not isinstance(value, str) or not value):
-        raise ApiError(400, f"'{name}' must be a non-empty regular expression", name)
-    if not guided_states:
-        raise ApiError(400, f"'{name}': constrained decoding is off on this server (start it with --guided-states Q)",
-                       name, code="unsupported")
-    if ignore_eos or tokenizer.eos_id is None:
-        raise ApiError(400, f"'{name}' ends the answer with EOS: not with ignore_eos (or a tokenizer without one)",
-                       name)
-    try:
-        automaton = choice_automaton([c.encode("utf-8") for c in value]) if kind == "choice" else \
-            regex_automaton(value)
-    except ValueError as e:  # a pattern not taken (what, where), or too large
-        raise ApiError(400, f"'{name}': {e}", name) from None
-    states = automaton[0].shape[0]
-    if states > guided_states:  # before lifting it to the vocabulary (Q x V)
-        raise ApiError(400, f"'{name}': the {'choices make' if kind == 'choice' else 'pattern makes'} an automaton of "
-                            f"{states} states; this server takes at most {guided_states} (--guided-states)", name)
-    return vocab_fsm(automaton, tokenizer, vocab_size, (tokenizer.eos_id, *stop_ids))
-
-
 def _tools(body: dict, chat: bool, tokenizer, tool_parser: Optional[str]) -> Optional[list]:
-    """The tools to render (None: none), from chat's ``tools`` and ``tool_choice`` ("auto" or "none"; forcing a
-    call, "required" or a named function, needs constrained decoding, which is not built)."""
+    """The tools to render (None: none), from chat's ``tools`` and ``tool_choice`` ("auto", "none", or forcing a
+    call: "required" or {"type": "function", "function": {"name": ...}}, a constraint ``serve_guided`` builds)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if not chat:
@@ -228,10 +162,14 @@ def _tools(body: dict, chat: bool, tokenizer, tool_parser: Optional[str]) -> Opt
             and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools)):
         raise ApiError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": ..., "
                             "\"parameters\": ...}}", "tools")
-    if choice not in (None, "auto", "none"):
-        raise ApiError(400, f"'tool_choice' = {json.dumps(choice)[:60]} is not supported (it accepts \"auto\" or "
-                            "\"none\": forcing a call needs constrained decoding, which this server does not do)",
-                       "tool_choice", code="unsupported")
+    forced = forced_tool(choice)
+    if choice not in (None, "auto", "none", "required") and forced is None:
+        raise ApiError(400, "'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                            "\"function\": {\"name\": ...}}", "tool_choice")
+    if forced and (not tools or (forced is not True and forced not in [t["function"]["name"] for t in tools])):
+        raise ApiError(400, "'tool_choice' forces a call " + ("but no tools are given" if not tools else
+                                                               f"to {forced!r}, which is not among the tools"),
+                       "tool_choice")
     if not tools or choice == "none":
         return None
     if tool_parser is None:
@@ -456,7 +394,7 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     if asked and not penalties_served:
         raise ApiError(400, f"'{asked[0]}': penalties and logit controls are off on this server (start it with "
                             "--penalties)", asked[0], code="unsupported")
-    grammar = _grammar(body, tokenizer, vocab_size, guided_states, ignore_eos, stop_ids)
+    grammar = guided_constraint(body, tokenizer, vocab_size, guided_states, ignore_eos, stop_ids, bool(started))
     n = get_field(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
         raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",

@@ -10,10 +10,12 @@ object (``response_object``) or streamed as the API's typed events (``stream_eve
                           ``function_call_output`` items (a tool result, by ``call_id``)
     instructions          a system message first ("developer" messages are system messages too)
     tools                 function tools ({"type": "function", "name", "description", "parameters"}; others: 400)
+    tool_choice           "auto", "none", "required" or {"type": "function", "name"} (forced: --guided-states)
     max_output_tokens     max_tokens (default: the rest of the context)
     reasoning.effort      the template's ``reasoning_effort`` variable (``chat_template_kwargs``)
     truncation "auto"     the prompt's last tokens the server takes (``truncate_prompt_tokens`` -1)
-    text.format           "text" only (JSON output needs constrained decoding, not built: 400)
+    text.format           "text", or JSON ("json_object"; "json_schema" with its "schema"): chat's response_format,
+                          constrained decoding (``jdspark.serve_guided``; a server started with --guided-states)
     previous_response_id, background, conversation, prompt: responses are not stored here: 400 (the response says
                           ``store: false``)
 
@@ -144,16 +146,22 @@ def chat_body(body) -> tuple:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     reject_unsupported(body, _UNSUPPORTED)
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
     if body.get("text") is not None and not isinstance(body.get("text"), dict):
         raise ApiError(400, "'text' must be an object", "text")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, f"'text.format' = {json.dumps(fmt)[:60]} is not supported (JSON output needs constrained "
-                            "decoding, which this server does not do; it accepts {\"type\": \"text\"})", "text",
-                       code="unsupported")
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "'text.format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                       "text")
     chat = {k: body[k] for k in _PASSED if k in body}
     chat["messages"] = _messages(body)
+    if fmt["type"] != "text":  # chat's response_format (constrained decoding: --guided-states)
+        chat["response_format"] = ({"type": "json_object"} if fmt["type"] == "json_object" else
+                                   {"type": "json_schema", "json_schema": {
+                                       k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}})
     tools = _tools(body.get("tools"))
+    forced = body.get("tool_choice")
+    if isinstance(forced, dict) and forced.get("type") == "function" and "function" not in forced:
+        chat["tool_choice"] = {"type": "function", "function": {"name": forced.get("name")}}  # the Responses form
     if tools:
         chat["tools"] = tools
     if body.get("max_output_tokens") is not None:
@@ -180,7 +188,7 @@ def chat_body(body) -> tuple:
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "metadata": body.get("metadata") or {},
             "reasoning": body.get("reasoning"), "truncation": truncation or "disabled",
-            "text": {"format": {"type": "text"}}, "user": body.get("user")}
+            "text": {"format": fmt}, "user": body.get("user")}
     return chat, meta
 
 

@@ -5,6 +5,7 @@ and the speedup over plain decoding measured in the same run.
   python scripts/generate.py --prompt "..." --no-draft               # plain decoding
   python scripts/generate.py --demo                                  # the code prompt `make demo` uses
   python scripts/generate.py --prompt-file long.py --drafter-window none   # a long prompt; the drafter reads all
+  python scripts/generate.py --prompt "..." --json-schema '{"type": "object", "properties": {...}}'  # JSON output
 """
 
 from __future__ import annotations
@@ -108,6 +109,31 @@ def with_images(ids, paths, cfg, ckpt):
     return np.array(image_lib.expand_placeholders(ids, vin.grid_thw, cfg.vision), np.int32), vin
 
 
+def constraint(ap, a, tokenizer, cfg):
+    """--json-schema / --regex as a ``jdspark.grammar.TokenFSM`` (None: neither), EOS its stop."""
+    from jdspark.grammar import regex_automaton, vocab_fsm
+    from jdspark.json_schema import any_object_regex, schema_regex
+
+    if a.json_schema is not None and a.regex is not None:
+        ap.error("give one of --json-schema and --regex")
+    if a.json_schema is None and a.regex is None:
+        return None
+    try:
+        if a.regex is not None:
+            pattern = a.regex
+        else:
+            text = a.json_schema
+            if text.startswith("@"):
+                with open(text[1:], encoding="utf-8") as f:
+                    text = f.read()
+            schema = json.loads(text)
+            pattern = any_object_regex() if schema == {} else schema_regex(schema)
+        automaton = regex_automaton(pattern)
+    except (OSError, ValueError) as e:
+        ap.error(f"--{'regex' if a.regex is not None else 'json-schema'}: {e}")
+    return vocab_fsm(automaton, tokenizer, cfg.vocab_size, (cfg.eos_token_id,))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", help="prompt text")
@@ -137,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--image", action="append", default=[], metavar="PATH",
                     help="an image for a checkpoint with a vision tower (repeatable): one placeholder per image "
                          "after BOS, expanded to its merged patches")
+    ap.add_argument("--json-schema", metavar="SCHEMA", help="constrain the output to a JSON document this JSON "
+                    "Schema validates (inline JSON, or @PATH; '{}' any JSON object; jdspark.json_schema), then EOS")
+    ap.add_argument("--regex", metavar="PATTERN", help="constrain the output to a text PATTERN matches whole, then EOS")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if sum(x is not None for x in (a.prompt, a.prompt_file)) + bool(a.demo) != 1:
@@ -162,7 +191,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-              seed=a.seed, prefill_chunk=a.prefill_chunk)
+              seed=a.seed, prefill_chunk=a.prefill_chunk, grammar=constraint(ap, a, tokenizer, target.config))
 
     sys.stdout.write(prompt)
     sys.stdout.flush()

@@ -46,6 +46,35 @@ def test_a_prompt_that_opens_the_block():
     assert parse_completion(body, reasoning_parser="think", **{**kw, "tokenizer": ByteTokenizer()}).reasoning is False
 
 
+def test_constrained_output_comes_after_the_reasoning():
+    """A template that opened a think block: the constraint (here a JSON schema) holds from the block's
+    ``</think>`` on, the reasoning free before it (vLLM's order); with no reasoning parser, or a template that
+    opens no block, it holds from the first token. Walked on the table the request carries."""
+    tok = ByteTokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}<think>\n")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    kw = dict(vocab_size=tok.vocab_size, max_context=4096, model_name="m", chat=True, guided_states=64)
+
+    def takes(fsm, text):
+        q = 0
+        for t in tok.encode(text):
+            q = int(fsm.next_QV[q, t])
+            if q < 0:
+                return False
+        return int(fsm.next_QV[q, tok.eos_id]) == q
+
+    thinking = parse_completion(body, tokenizer=tok, reasoning_parser="think", **kw).sampling.grammar
+    plain = parse_completion(body, tokenizer=tok, **kw).sampling.grammar
+    other = parse_completion(body, tokenizer=ByteTokenizer(), reasoning_parser="think", **kw).sampling.grammar
+    answer = '{"ok": true}'
+    for text, want in ((answer, (False, True, True)), ("x < /think> </thin</think>" + answer, (True, False, False)),
+                       ("</think>" + answer, (True, False, False)), ("why</think> " + answer, (False,) * 3),
+                       ("a</think>" + answer + "</think>", (False,) * 3), ("a</think>{\"ok\": 1}", (False,) * 3)):
+        assert (takes(thinking, text), takes(plain, text), takes(other, text)) == want, text
+    assert thinking.num_states == plain.num_states + len("</think>")
+
+
 @pytest.fixture(scope="module")
 def srv():
     enc = ByteTokenizer().encode

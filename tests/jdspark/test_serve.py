@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jdspark.grammar import choice_fsm, regex_fsm
+from jdspark.json_schema import schema_regex
 from jdspark.serve_request import ApiError, parse_completion, prompt_ids
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import LiveServer, expected_text, scripted_logprob, scripted_rank
@@ -291,8 +292,8 @@ BAD = [
      "allowed_token_ids", 400),
     ({"prompt": "x", "skip_special_tokens": 0}, "'skip_special_tokens' must be a boolean", "skip_special_tokens",
      400),
-    ({"prompt": "x", "guided_json": {"type": "object"}}, "'guided_json' = {\"type\": \"object\"} is not supported",
-     "guided_json", 400),
+    ({"prompt": "x", "guided_grammar": "root ::= x"}, "'guided_grammar' = \"root ::= x\" is not supported",
+     "guided_grammar", 400),
     ({"prompt": "x", "use_beam_search": True}, "'use_beam_search' = true is not supported", "use_beam_search", 400),
     ({"prompt": "x", "bad_words": ["foo"]}, "'bad_words' = [\"foo\"] is not supported", "bad_words", 400),
 
@@ -600,21 +601,54 @@ def test_guided_choice_reaches_the_backend_as_its_automaton(srv):
     for body, message, param in (
             ({"guided_choice": []}, "must be a non-empty list of non-empty strings", "guided_choice"),
             ({"guided_choice": ["x", ""]}, "must be a non-empty list of non-empty strings", "guided_choice"),
-            ({"structured_outputs": {"json": {}}}, "['json'] is not supported", "structured_outputs"),
+            ({"structured_outputs": {"grammar": "x"}}, "['grammar'] is not supported", "structured_outputs"),
             ({"guided_choice": ["x"], "structured_outputs": {"choice": ["y"]}}, "give one of", "structured_outputs"),
             ({"guided_choice": ["x"], "ignore_eos": True}, "not with ignore_eos", "guided_choice"),
             ({"guided_choice": ["a" * 40]}, "automaton of 41 states; this server takes at most 32", "guided_choice"),
             ({"guided_regex": "a(b"}, "'guided_regex': regex 'a(b': missing ')' at position 3", "guided_regex"),
             ({"guided_regex": "[a-z]{40}"}, "the pattern makes an automaton of 41 states", "guided_regex"),
             ({"structured_outputs": {"regex": 5}}, "must be a non-empty regular expression", "structured_outputs"),
-            ({"guided_json": {"type": "object"}}, "'guided_json' = {\"type\": \"object\"} is not supported",
-             "guided_json")):
+            ({"guided_json": {"type": "integer", "multipleOf": 3}}, "['multipleOf'] not taken", "guided_json"),
+            ({"guided_json": "{not json"}, "'guided_json': the schema is not valid JSON", "guided_json"),
+            ({"guided_json": 5}, "must be a JSON Schema (an object)", "guided_json"),
+            ({"response_format": {"type": "json_object"}}, "the schema makes an automaton of", "response_format"),
+            ({"response_format": {"type": "yaml"}}, "'response_format' must be {\"type\": \"text\"",
+             "response_format"),
+            ({"structured_outputs": {"json_object": 1}}, "'structured_outputs.json_object' must be true",
+             "structured_outputs"),
+            ({"guided_choice": ["x"], "response_format": {"type": "json_object"}}, "give one of",
+             "response_format")):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", **body})
         assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
         assert r.json()["error"]["param"] == param
     with pytest.raises(ApiError, match="start it with --guided-states"):
         parse_completion({"prompt": "q", "guided_choice": ["x"]}, tokenizer=srv.tok, vocab_size=srv.tok.vocab_size,
                          max_context=64, model_name="m")
+
+
+def test_json_output_reaches_the_backend_as_its_automaton(srv):
+    """JSON output asked every way a client does (vLLM's guided_json as an object or its text,
+    structured_outputs.json, OpenAI's response_format json_schema, the Responses API's text.format) hands the
+    backend the same table: the schema's automaton over the vocabulary; response_format text asks for nothing."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    want = regex_fsm(schema_regex(schema), srv.tok, srv.tok.vocab_size, (srv.tok.eos_id,)).next_QV
+    assert want.shape[0] <= 32
+    msgs = [{"role": "user", "content": "q"}]
+    for path, body in (("/v1/completions", {"prompt": "q", "guided_json": schema}),
+                       ("/v1/completions", {"prompt": "q", "guided_json": json.dumps(schema)}),
+                       ("/v1/completions", {"prompt": "q", "structured_outputs": {"json": schema}}),
+                       ("/v1/chat/completions", {"messages": msgs, "response_format": {
+                           "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}),
+                       ("/v1/responses", {"input": "q", "text": {"format": {"type": "json_schema", "name": "a",
+                                                                            "schema": schema}}})):
+        r = httpx.post(srv.url + path, json={"max_tokens": 4, **body})
+        assert r.status_code == 200, (body, r.text)
+        np.testing.assert_array_equal(srv.backend.requests[-1].grammar.next_QV, want)
+    r = httpx.post(srv.url + "/v1/responses", json={"input": "q", "text": {"format": {"type": "json_schema",
+                                                                                      "schema": schema}}})
+    assert r.json()["text"] == {"format": {"type": "json_schema", "schema": schema}}
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "response_format": {"type": "text"}})
+    assert r.status_code == 200 and srv.backend.requests[-1].grammar is None
 
 
 def test_best_of_returns_the_likeliest_completions(srv):

@@ -131,7 +131,9 @@ def test_streamed_text_equals_the_whole_response(srv):  # noqa: F811
     ({"input": "x", "previous_response_id": "resp_1"}, "'previous_response_id' = \"resp_1\" is not supported",
      "previous_response_id"),
     ({"input": "x", "background": True}, "'background' = true is not supported", "background"),
-    ({"input": "x", "text": {"format": {"type": "json_object"}}}, "needs constrained decoding", "text"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "'text.format' must be {\"type\": \"text\"", "text"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}}, "the schema makes an automaton of",
+     "response_format"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools are served here", "tools"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "'reasoning' is not taken here", "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "role must be user, assistant, system or developer", "input"),
@@ -140,8 +142,10 @@ def test_streamed_text_equals_the_whole_response(srv):  # noqa: F811
     ({"input": "x", "max_output_tokens": 0}, "'max_tokens' must be an integer >= 1", "max_tokens"),
     ({"input": "x", "instructions": 3}, "'instructions' must be a string", "instructions"),
     ({"input": "x", "truncation": "middle"}, "'truncation' must be", "truncation"),
-    ({"input": "x", "tool_choice": "required", "tools": TOOLS}, "'tool_choice' = \"required\" is not supported",
-     "tool_choice"),
+    ({"input": "x", "tool_choice": "required", "tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {}}}]}, "this server takes at most 32 (--guided-states)", "tool_choice"),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS},
+     "forces a call to 'nope', which is not among the tools", "tool_choice"),
     ({"input": "x", "model": "gpt-9"}, "does not exist", "model"),
 ])
 def test_bad_requests_are_refused_by_name(srv, body, message, param):  # noqa: F811

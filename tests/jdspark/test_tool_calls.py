@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from jdspark import tool_calls as tc
+from jdspark.serve_guided import guided_constraint
 from jdspark.serve_request import ApiError, parse_completion
 from kimi.tokenizer import ByteTokenizer, Tokenizer
 from tests.jdspark.serve_helpers import LiveServer
@@ -159,9 +160,13 @@ def test_tools_and_earlier_calls_are_rendered_by_the_template():
 
 BAD = [
     ({"tools": [{"type": "function"}]}, "'tools' must be a list", "tools"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "'tool_choice' = \"required\" is not supported", "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "is not supported",
-     "tool_choice"),
+    ({"tool_choice": "required"}, "'tool_choice' forces a call but no tools are given", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_date"}}},
+     "forces a call to 'get_date', which is not among the tools", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "maybe"}, "'tool_choice' must be \"auto\", \"none\", \"required\"", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}],
+      "tool_choice": "required"}, "this server takes at most 32 (--guided-states)", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "x"}, "give one of", "tool_choice"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f"}}]}]},
      "tool_calls must be a list", "messages"),
 ]
@@ -172,6 +177,49 @@ def test_bad_tool_requests_are_refused_by_name(srv, extra, message, param):
     body = {"messages": [{"role": "user", "content": "x"}], **extra}
     r = _chat(srv, body)
     assert r.status_code == 400 and message in r.json()["error"]["message"] and r.json()["error"]["param"] == param
+
+
+def test_forced_tool_calls_are_constrained_to_the_tools_format():
+    """tool_choice "required": the answer is the K2 section of one call or more, to any of the tools, arguments
+    valid under each tool's parameters; a named function: exactly one call, to it. Walked on the request's table
+    (the markers as text here, and as special tokens through a vocabulary that has them)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 7}},
+        "required": ["city"]}}}, {"type": "function", "function": {"name": "get_time"}}]
+    weather = f'{CB}functions.get_weather:0{AB}{{"city": "Paris", "days": 3}}{CE}'
+    time_ = f'{CB}functions.get_time:1{AB}{{"tz": "CET"}}{CE}'
+    texts = {"one": B + weather + E, "two": B + weather + time_ + E, "time": B + time_ + E,
+             "content first": "Sure." + B + weather + E, "bad arguments": B + weather.replace("3", "9") + E,
+             "no section end": B + weather, "unknown tool": B + weather.replace("get_weather", "get_w") + E,
+             "no call": B + E}
+    want = {"required": {"one", "two", "time"}, "get_time": {"time"}, "get_weather": {"one"}}
+    tok = ByteTokenizer(chat_template=TEMPLATE)
+
+    class Tok(Tokenizer):  # the markers as special tokens, as K2 / K3 ship them
+        def _encode_ordinary(self, text):
+            return list(text.encode())
+
+    special = Tok([bytes([b]) for b in range(256)], {"<bos>": 256, "<eos>": 257, B: 258, E: 259, CB: 260, AB: 261,
+                                                     CE: 262})
+
+    def ends(table, ids, eos):
+        state = 0
+        for t in ids:
+            state = int(table[state, t]) if state >= 0 else -1
+        return state >= 0 and int(table[state, eos]) == state
+
+    for choice, taken in want.items():
+        tc_ = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": tc_}
+        q = parse_completion(body, tokenizer=tok, vocab_size=tok.vocab_size, max_context=4096, model_name="m",
+                             chat=True, tool_parser="kimi_k2", guided_states=4096)
+        assert q.tools
+        table = guided_constraint(body, special, special.vocab_size, 4096, False, ()).next_QV
+        for name, text in texts.items():
+            assert ends(q.sampling.grammar.next_QV, tok.encode(text), tok.eos_id) == (name in taken), (choice, name)
+            ids = special.encode(text, allow_special=True)
+            assert ends(table, ids, 257) == (name in taken), (choice, name)
 
 
 def test_tools_where_they_cannot_be_served():

@@ -1,0 +1,316 @@
+"""JSON output (OpenAI's ``response_format`` json_object / json_schema, vLLM's ``guided_json``): a JSON Schema
+turned into a regular expression of ``jdspark.grammar``'s subset, whose automaton then constrains decoding as any
+``guided_regex`` does. A regular language cannot nest without bound, so nesting is bounded:
+
+    schema_regex(schema)   a text matching it is one JSON document the schema validates (the subset below), in
+                           json.dumps' layout: no whitespace but one optional space after ':' and ',' (the
+                           separators json.dumps and compact writers both use); properties in the schema's order
+    json_value_regex(d)    any JSON value nested at most d deep (json_object: ``any_object_regex``)
+
+Taken: ``type`` (one or a list), ``enum``, ``const``, ``anyOf`` / ``oneOf`` (both as "one of these matches"; a
+document valid under two ``oneOf`` branches is not excluded), ``allOf`` of one schema, ``$ref`` to ``#/$defs/..``
+or ``#/definitions/..`` (not recursive), ``properties`` + ``required`` (other properties are not written: OpenAI's
+strict mode), an object without ``properties`` (any keys, values nested to ``MAX_DEPTH``), ``items``,
+``minItems`` / ``maxItems``, ``minLength`` / ``maxLength`` / ``pattern`` / ``format`` (date,
+time, date-time, uuid) of strings, ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` of
+integers. A keyword that constrains in another way (``multipleOf``, ``uniqueItems``, ``not``, number bounds, ...)
+is refused with a ValueError naming it, never silently dropped; annotations (``title``, ``description``,
+``default``, ``examples``, ...) are read past.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Optional
+
+__all__ = ["literal", "schema_regex", "json_value_regex", "any_object_regex", "integer_range_regex", "MAX_DEPTH"]
+
+MAX_DEPTH = 3  # how deep a free-form value (json_object, an object without properties) may nest
+_SEP_ITEM, _SEP_KEY = ", ?", ": ?"
+STRING = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
+_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
+INTEGER = r"-?(?:0|[1-9][0-9]*)"
+_FORMATS = {
+    "date": r"[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])",
+    "time": r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])?",
+    "uuid": r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}",
+}
+_FORMATS["date-time"] = _FORMATS["date"] + "T" + _FORMATS["time"]
+_ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$defs", "definitions", "strict", "name"}
+_TAKEN = {
+    "string": {"type", "enum", "const", "minLength", "maxLength", "pattern", "format"},
+    "integer": {"type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
+    "number": {"type", "enum", "const"},
+    "boolean": {"type", "enum", "const"},
+    "null": {"type", "enum", "const"},
+    "array": {"type", "enum", "const", "items", "minItems", "maxItems"},
+    "object": {"type", "enum", "const", "properties", "required", "additionalProperties"},
+}
+
+
+def literal(text: str) -> str:
+    """``text`` as a pattern matching exactly it (the subset's metacharacters escaped)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}\-])", r"\\\1", text)
+
+
+def _repeat(item: str, lo: int, hi: Optional[int], sep: str) -> str:
+    """``lo`` to ``hi`` (None: any number) of ``item`` separated by ``sep``."""
+    if hi is not None and hi < lo:
+        raise ValueError(f"a maximum count {hi} below the minimum {lo}")
+    if hi == 0:
+        return ""
+    more = f"(?:{sep}{item})" + (("*" if lo <= 1 else f"{{{lo - 1},}}") if hi is None else
+                                  f"{{{max(lo - 1, 0)},{hi - 1}}}")
+    body = f"{item}{more}"
+    return body if lo > 0 else f"(?:{body})?"
+
+
+def json_value_regex(depth: int) -> str:
+    """Any JSON value whose arrays and objects nest at most ``depth`` deep (0: scalars only)."""
+    scalar = f"(?:{STRING}|{NUMBER}|true|false|null)"
+    value = scalar
+    for _ in range(depth):
+        obj = r"\{" + _repeat(f"{STRING}{_SEP_KEY}{value}", 0, None, _SEP_ITEM) + r"\}"
+        arr = r"\[" + _repeat(value, 0, None, _SEP_ITEM) + r"\]"
+        value = f"(?:{scalar}|{obj}|{arr})"
+    return value
+
+
+def any_object_regex(depth: int = MAX_DEPTH) -> str:
+    """A JSON object (json_object mode: the answer is an object) whose values nest at most ``depth - 1`` deeper."""
+    return r"\{" + _repeat(f"{STRING}{_SEP_KEY}{json_value_regex(depth - 1)}", 0, None, _SEP_ITEM) + r"\}"
+
+
+# ------------------------------------------------------------------------------------------------------ integers
+def _digits_between(lo: str, hi: str) -> str:
+    """The digit strings of one length between ``lo`` and ``hi`` (same length, lo <= hi), as a pattern."""
+    if not lo:
+        return ""
+    if lo == hi:
+        return lo
+    if lo[0] == hi[0]:
+        return lo[0] + _digits_between(lo[1:], hi[1:])
+    n = len(lo) - 1
+    parts = [lo[0] + _group(_digits_between(lo[1:], "9" * n))]
+    if int(hi[0]) - int(lo[0]) > 1:
+        mid = _span(chr(ord(lo[0]) + 1), chr(ord(hi[0]) - 1))
+        parts.append(mid + (f"[0-9]{{{n}}}" if n else ""))
+    parts.append(hi[0] + _group(_digits_between("0" * n, hi[1:])))
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _span(a: str, b: str) -> str:
+    return a if a == b else f"[{a}-{b}]"
+
+
+def _group(p: str) -> str:
+    return p if not p or p.isdigit() or p.startswith("(?:") and p.endswith(")") else f"(?:{p})"
+
+
+def _naturals(lo: int, hi: Optional[int]) -> str:
+    """Non-negative integers in [lo, hi] (hi None: unbounded) without leading zeros."""
+    parts = []
+    top = len(str(hi)) if hi is not None else len(str(lo))
+    for n in range(len(str(lo)), top + 1):
+        a = max(lo, 10 ** (n - 1) if n > 1 else 0)
+        b = min(hi, 10 ** n - 1) if hi is not None else 10 ** n - 1
+        if a <= b:
+            parts.append(_digits_between(str(a).zfill(n), str(b).zfill(n)))
+    if hi is None:
+        parts.append(f"[1-9][0-9]{{{len(str(lo))},}}")
+    return "(?:" + "|".join(parts) + ")"
+
+
+def integer_range_regex(lo: Optional[int], hi: Optional[int]) -> str:
+    """The decimal integers in [lo, hi] (None: unbounded that side), as JSON writes them (no leading zeros or '+',
+    no '-0')."""
+    if lo is not None and hi is not None and hi < lo:
+        raise ValueError(f"integer bounds: maximum {hi} below minimum {lo}")
+    parts = []
+    if hi is None or hi >= 0:  # the non-negative ones
+        parts.append(_naturals(max(lo, 0) if lo is not None else 0, hi))
+    if lo is None or lo < 0:  # the negative ones: '-' and a natural in [max(1, -hi), -lo]
+        parts.append("-" + _naturals(max(1, -hi) if hi is not None else 1, -lo if lo is not None else None))
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+# ------------------------------------------------------------------------------------------------------- schemas
+class _Compiler:
+    def __init__(self, root: dict):
+        self.root, self.open_refs = root, []
+
+    def value(self, s, where: str) -> str:
+        if s is True or s == {}:
+            return json_value_regex(MAX_DEPTH)
+        if not isinstance(s, dict):
+            raise ValueError(f"{where}: expected a schema (an object), got {type(s).__name__}")
+        if "$ref" in s:
+            return self.ref(s, where)
+        for key in ("anyOf", "oneOf"):
+            if key in s:
+                return self.alternatives(s, key, where)
+        if "allOf" in s:
+            if not isinstance(s["allOf"], list) or len(s["allOf"]) != 1:
+                raise ValueError(f"{where}.allOf: only one schema is taken (intersections are not built)")
+            return self.value({**{k: v for k, v in s.items() if k != "allOf"}, **s["allOf"][0]}, where)
+        if "const" in s:
+            self.check(s, set(s) - _ANNOTATIONS - {"const", "type", "enum"}, where)
+            return literal(json.dumps(s["const"]))
+        if "enum" in s:
+            self.check(s, set(s) - _ANNOTATIONS - {"enum", "type"}, where)
+            if not isinstance(s["enum"], list) or not s["enum"]:
+                raise ValueError(f"{where}.enum: expected a non-empty list")
+            return "(?:" + "|".join(literal(json.dumps(v)) for v in s["enum"]) + ")"
+        types = s.get("type")
+        if types is None:
+            types = "object" if "properties" in s else "array" if "items" in s else None
+            if types is None:
+                self.check(s, set(s) - _ANNOTATIONS, where)
+                return json_value_regex(MAX_DEPTH)
+        if isinstance(types, list):
+            if not types:
+                raise ValueError(f"{where}.type: an empty list")
+            return "(?:" + "|".join(self.typed({**s, "type": t}, t, where) for t in types) + ")"
+        return self.typed(s, types, where)
+
+    def check(self, s: dict, keys, where: str) -> None:
+        if keys:
+            raise ValueError(f"{where}: {sorted(keys)} not taken here (constraints are never dropped silently)")
+
+    def ref(self, s: dict, where: str) -> str:
+        path = s["$ref"]
+        self.check(s, set(s) - _ANNOTATIONS - {"$ref"}, where)
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if isinstance(path, str) and path.startswith(prefix):
+                defs = self.root.get(prefix[2:-1], {})
+                name = path[len(prefix):]
+                if name not in defs:
+                    raise ValueError(f"{where}.$ref: {path!r} is not defined")
+                if path in self.open_refs:
+                    raise ValueError(f"{where}.$ref: {path!r} is recursive (a regular language cannot nest "
+                                     "without bound)")
+                self.open_refs.append(path)
+                try:
+                    return self.value(defs[name], path)
+                finally:
+                    self.open_refs.pop()
+        raise ValueError(f"{where}.$ref: {path!r} not taken (only '#/$defs/NAME' and '#/definitions/NAME')")
+
+    def alternatives(self, s: dict, key: str, where: str) -> str:
+        options = s[key]
+        if not isinstance(options, list) or not options:
+            raise ValueError(f"{where}.{key}: expected a non-empty list of schemas")
+        base = {k: v for k, v in s.items() if k != key and k not in _ANNOTATIONS}
+        return "(?:" + "|".join(self.value({**base, **o} if isinstance(o, dict) else o, f"{where}.{key}[{i}]")
+                                for i, o in enumerate(options)) + ")"
+
+    def typed(self, s: dict, t, where: str) -> str:
+        if t not in _TAKEN:
+            raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type")
+        self.check(s, set(s) - _ANNOTATIONS - _TAKEN[t], where)
+        if t == "null":
+            return "null"
+        if t == "boolean":
+            return "(?:true|false)"
+        if t == "number":
+            return NUMBER
+        if t == "integer":
+            return self.integer(s, where)
+        if t == "string":
+            return self.string(s, where)
+        if t == "array":
+            return self.array(s, where)
+        return self.object(s, where)
+
+    def integer(self, s: dict, where: str) -> str:
+        lo, hi = s.get("minimum"), s.get("maximum")
+        for key, bound, step in (("exclusiveMinimum", "lo", 1), ("exclusiveMaximum", "hi", -1)):
+            if key in s:
+                x = s[key]
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    raise ValueError(f"{where}.{key}: expected a number")
+                if bound == "lo":
+                    lo = max(lo, x + step) if lo is not None else x + step
+                else:
+                    hi = min(hi, x + step) if hi is not None else x + step
+        lo = math.ceil(lo) if lo is not None else None
+        hi = math.floor(hi) if hi is not None else None
+        if lo is None and hi is None:
+            return INTEGER
+        return integer_range_regex(lo, hi)
+
+    def string(self, s: dict, where: str) -> str:
+        if "pattern" in s or "format" in s:
+            if {"minLength", "maxLength"} & set(s) or ("pattern" in s and "format" in s):
+                raise ValueError(f"{where}: 'pattern' / 'format' with a length or with each other is not taken")
+            if "format" in s:
+                if s["format"] not in _FORMATS:
+                    raise ValueError(f"{where}.format: {s['format']!r} not taken (one of {sorted(_FORMATS)})")
+                return f'"{_FORMATS[s["format"]]}"'
+            pattern = s["pattern"]
+            if not isinstance(pattern, str):
+                raise ValueError(f"{where}.pattern: expected a string")
+            return '"(?:' + pattern.removeprefix("^").removesuffix("$") + ')"'
+        lo, hi = _count(s, "minLength", 0, where), _count(s, "maxLength", None, where)
+        if lo == 0 and hi is None:
+            return STRING
+        if hi is not None and hi < lo:
+            raise ValueError(f"{where}: maxLength {hi} below minLength {lo}")
+        return f'"{_CHAR}{{{lo},{"" if hi is None else hi}}}"'
+
+    def array(self, s: dict, where: str) -> str:
+        lo, hi = _count(s, "minItems", 0, where), _count(s, "maxItems", None, where)
+        item = self.value(s.get("items", True), f"{where}.items") if s.get("items", True) is not False else None
+        if item is None:
+            if lo > 0:
+                raise ValueError(f"{where}: minItems {lo} with items false")
+            return r"\[\]"
+        return r"\[" + _repeat(item, lo, hi, _SEP_ITEM) + r"\]"
+
+    def object(self, s: dict, where: str) -> str:
+        props = s.get("properties")
+        if props is None:
+            if s.get("additionalProperties", True) not in (True, {}) or "required" in s:
+                raise ValueError(f"{where}: an object without 'properties' takes no 'required' or "
+                                 "'additionalProperties' schema")
+            return any_object_regex(MAX_DEPTH)
+        if not isinstance(props, dict):
+            raise ValueError(f"{where}.properties: expected an object")
+        required = s.get("required", [])
+        if not isinstance(required, list) or set(required) - set(props):
+            raise ValueError(f"{where}.required: expected names among 'properties' ({sorted(props)})")
+        if not props:
+            return r"\{\}"
+        fields = [(f"{literal(json.dumps(k))}{_SEP_KEY}{self.value(v, f'{where}.properties.{k}')}", k in required)
+                  for k, v in props.items()]
+        # the properties in order, each optional one may be absent; a comma before every one but the first present
+        alternatives, n = [], len(fields)
+        for first in range(n):
+            body = fields[first][0]
+            for text, req in fields[first + 1:]:
+                body += f"(?:{_SEP_ITEM}{text})" + ("" if req else "?")
+            alternatives.append(body)
+            if fields[first][1]:  # a required property cannot be skipped: no later one starts the object
+                break
+        else:
+            alternatives.append("")  # every property optional: {} too
+        return r"\{(?:" + "|".join(alternatives) + r")\}"
+
+
+def _count(s: dict, key: str, default, where: str):
+    x = s.get(key, default)
+    if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+        raise ValueError(f"{where}.{key}: expected a non-negative integer")
+    return x
+
+
+def schema_regex(schema) -> str:
+    """A pattern of ``jdspark.grammar``'s subset matching the JSON texts (module doc's layout) ``schema``
+    validates; ValueError names a keyword or form not taken."""
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a JSON Schema is an object, got {type(schema).__name__}")
+    return _Compiler(schema if isinstance(schema, dict) else {}).value(schema, "schema")

@@ -1,0 +1,193 @@
+"""JSON output (``jdspark.json_schema``): integer ranges against every integer near them, JSON documents a schema
+validates (and ones it does not) walked through the minimal byte automaton and Python's ``re``, random documents
+in both json.dumps layouts against the free-form object, the refusals naming their keyword, and the minimal
+automaton against the unminimized one's language. Host code only: no program is compiled here."""
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+
+from jdspark.grammar import minimize, regex_automaton
+from jdspark.json_schema import MAX_DEPTH, any_object_regex, integer_range_regex, json_value_regex, schema_regex
+
+
+def walk(automaton, text: str) -> bool:
+    """Whether the automaton accepts ``text``'s UTF-8 bytes whole."""
+    delta, accept = automaton
+    q = 0
+    for b in text.encode("utf-8"):
+        q = int(delta[q, b])
+        if q < 0:
+            return False
+    return bool(accept[q])
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 150), (-37, 1234), (None, -5), (7, None), (-100, -3), (0, 0), (5, 5),
+                                   (-9, 9), (10, 99), (None, 0), (-1, None), (199, 2001)])
+def test_integer_range_matches_exactly_the_integers_in_it(lo, hi):
+    pattern = integer_range_regex(lo, hi)
+    automaton = regex_automaton(pattern)
+    for n in range(-2500, 2500):
+        want = (lo is None or n >= lo) and (hi is None or n <= hi)
+        assert bool(re.fullmatch(pattern, str(n))) == want == walk(automaton, str(n)), (n, pattern)
+    for text in ("-0", "01", "+1", "00", "-01", "1.0", ""):
+        assert not walk(automaton, text) and not re.fullmatch(pattern, text), text
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    "ok": {"type": "boolean"}}, "required": ["name", "age"]}
+CASES = [
+    (PERSON, [{"name": "Ann", "age": 31}, {"name": "", "age": 0, "ok": False},
+              {"name": "Bo \u00e9\"", "age": 150, "tags": ["a", "b"], "ok": True}, {"name": "x", "age": 2, "tags": []}],
+     [{"age": 31}, {"name": "Ann"}, {"name": "Ann", "age": 151}, {"name": "Ann", "age": -1},
+      {"name": "Ann", "age": 3, "tags": ["c"]}, {"name": "Ann", "age": 3, "tags": ["a", "a", "b"]},
+      {"name": "Ann", "age": 3, "extra": 1}, {"age": 3, "name": "Ann"}, {"name": "123456789", "age": 3},
+      {"name": "Ann", "age": 3.5}]),
+    ({"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": ["string", "null"]}}},
+     [{}, {"a": 1}, {"a": -0.5e3}, {"b": None}, {"a": 2, "b": "x"}, {"b": "y"}], [{"b": 1}, {"b": "x", "a": 2}]),
+    ({"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                       "required": ["x", "y"]}},
+      "type": "array", "items": {"$ref": "#/$defs/pt"}, "minItems": 1, "maxItems": 3},
+     [[{"x": 1, "y": -2}], [{"x": 0, "y": 0}] * 3], [[], [{"x": 1}], [{"x": 1, "y": 2}] * 4]),
+    ({"anyOf": [{"type": "string", "format": "date"}, {"const": 7}]},
+     ["2026-12-06", 7], ["2026-13-01", 8, "7"]),
+    ({"type": "string", "pattern": "^[a-c]+x$"}, ["abcx", "ax"], ["x", "abc", "adx"]),
+    ({"type": "object"}, [{}, {"k": [1, {"j": None}]}, {"a": "b", "c": 2.5}], [[], {"a": [[[1]]]}]),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ["ab", "\u00e9\u00e9\u00e9", "a\\n"], ["a", "abcd"]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_schema_automaton_takes_the_documents_it_validates(case):
+    """Valid documents in both json.dumps layouts (compact and with spaces) and with ensure_ascii on and off are
+    taken; invalid ones, and valid ones indented over lines, are not."""
+    schema, good, bad = CASES[case]
+    pattern = schema_regex(schema)
+    automaton = regex_automaton(pattern)
+    for doc in good:
+        for seps in ((",", ":"), (", ", ": ")):
+            for ascii_only in (True, False):
+                text = json.dumps(doc, separators=seps, ensure_ascii=ascii_only)
+                assert walk(automaton, text) and re.fullmatch(pattern, text), text
+    for doc in bad:
+        text = json.dumps(doc)
+        assert not walk(automaton, text) and not re.fullmatch(pattern, text), text
+    for doc in good:
+        if isinstance(doc, (dict, list)) and doc:
+            assert not walk(automaton, json.dumps(doc, indent=2)), doc
+
+
+def _random_value(rng, depth):
+    kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict"] * 2 if depth > 0 else [])
+    kind = rng.choice(kinds)
+    if kind == "str":
+        return "".join(rng.choice(["a", "Z", " ", '"', "\\", "\n", "\u00e9", "\u4e2d", "\U0001f600", "/", "\t"])
+                       for _ in range(rng.randint(0, 5)))
+    if kind == "int":
+        return rng.randint(-10 ** 6, 10 ** 6)
+    if kind == "float":
+        return rng.uniform(-1e3, 1e3) * 10 ** rng.randint(-30, 30)
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    n = rng.randint(0, 3)
+    if kind == "list":
+        return [_random_value(rng, depth - 1) for _ in range(n)]
+    return {f"k{i}\u00e9": _random_value(rng, depth - 1) for i in range(n)}
+
+
+def test_free_form_object_takes_random_documents_nested_to_its_depth():
+    """json_object: 300 random objects nested up to MAX_DEPTH deep are taken in both layouts; one level deeper,
+    a non-object at the top, and trailing text are not."""
+    automaton = regex_automaton(any_object_regex())
+    rng = random.Random(0)
+    for _ in range(300):
+        doc = {f"k{i}": _random_value(rng, MAX_DEPTH - 1) for i in range(rng.randint(0, 3))}
+        for seps in ((",", ":"), (", ", ": ")):
+            for ascii_only in (True, False):
+                assert walk(automaton, json.dumps(doc, separators=seps, ensure_ascii=ascii_only)), doc
+    deep = {"a": {"b": {"c": {"d": 1}}}}
+    assert MAX_DEPTH == 3 and not walk(automaton, json.dumps(deep))
+    for text in ("[1]", "1", '"x"', "{} ", '{"a":1}}', "{'a': 1}", '{"a":01}', '{"a":1,}'):
+        assert not walk(automaton, text), text
+    value = regex_automaton(json_value_regex(1))
+    assert walk(value, "[1, 2]") and walk(value, "null") and not walk(value, "[[1]]")
+
+
+@pytest.mark.parametrize("schema,message", [
+    ({"type": "integer", "multipleOf": 3}, "['multipleOf'] not taken"),
+    ({"type": "number", "minimum": 0}, "['minimum'] not taken"),
+    ({"type": "array", "uniqueItems": True}, "['uniqueItems'] not taken"),
+    ({"not": {"type": "string"}}, "['not'] not taken"),
+    ({"type": "string", "format": "email"}, "format: 'email' not taken"),
+    ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"}, "is recursive"),
+    ({"$ref": "#/$defs/missing"}, "is not defined"),
+    ({"$ref": "http://x/s.json"}, "not taken (only '#/$defs/NAME'"),
+    ({"type": "thing"}, "'thing' is not a JSON Schema type"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required: expected names among"),
+    ({"type": "integer", "minimum": 5, "maximum": 2}, "maximum 2 below minimum 5"),
+    ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "only one schema is taken"),
+    ([1], "a JSON Schema is an object"),
+])
+def test_schema_refusals_name_the_keyword(schema, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        schema_regex(schema)
+
+
+def test_minimized_automaton_is_minimal_and_keeps_the_language():
+    """(a|b)*abb has the textbook 4-state minimal automaton; [ab]* one state; a pattern with redundant branches
+    shrinks; random strings are judged alike before and after."""
+    assert regex_automaton("(a|b)*abb")[0].shape[0] == 4
+    assert regex_automaton("[ab]*")[0].shape[0] == 1
+    assert regex_automaton("(?:ab|ab|a(?:b))c")[0].shape[0] == 4
+    rng = np.random.default_rng(0)
+    delta = rng.integers(-1, 6, size=(6, 256)).astype(np.int32)
+    delta[:, 100:] = -1
+    accept = np.array([False, True, False, True, True, False])
+    small = minimize(delta, accept)
+    assert small[0].shape[0] <= 6
+    for _ in range(2000):
+        text = bytes(rng.integers(97, 100, size=rng.integers(0, 8)).tolist())
+        q0, q1 = 0, 0
+        for b in text:
+            q0 = int(delta[q0, b]) if q0 >= 0 else -1
+            q1 = int(small[0][q1, b]) if q1 >= 0 else -1
+        assert (q0 >= 0 and bool(accept[q0])) == (q1 >= 0 and bool(small[1][q1])), text
+
+
+def test_generate_script_builds_the_constraint(tmp_path):
+    """scripts/generate.py --json-schema (inline or @PATH, '{}' any object) / --regex: the table generate is handed
+    is the schema's / pattern's automaton over the vocabulary, EOS its stop; both at once, or a schema not taken,
+    is a usage error naming the flag."""
+    import argparse
+    import os
+    import sys
+    import types
+
+    from jdspark.grammar import regex_fsm
+    from kimi.tokenizer import ByteTokenizer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    import generate as gen
+
+    tok = ByteTokenizer()
+    cfg = types.SimpleNamespace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    ap = argparse.ArgumentParser()
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for js, rx, pattern in ((json.dumps(schema), None, schema_regex(schema)),
+                            (f"@{tmp_path / 's.json'}", None, schema_regex(schema)),
+                            ("{}", None, any_object_regex()), (None, "[ab]+", "[ab]+")):
+        got = gen.constraint(ap, argparse.Namespace(json_schema=js, regex=rx), tok, cfg)
+        np.testing.assert_array_equal(got.next_QV, regex_fsm(pattern, tok, tok.vocab_size, (tok.eos_id,)).next_QV)
+    assert gen.constraint(ap, argparse.Namespace(json_schema=None, regex=None), tok, cfg) is None
+    for js, rx in (("{}", "a"), ('{"type": "number", "minimum": 1}', None), ("{bad", None)):
+        with pytest.raises(SystemExit):
+            gen.constraint(ap, argparse.Namespace(json_schema=js, regex=rx), tok, cfg)
