@@ -238,7 +238,7 @@ def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
 
 
 def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key, sp: SamplingParams,
-                threshold: float, confidence: bool = False, n_slots: Optional[int] = None):
+                threshold: float, confidence: bool = False, n_slots: Optional[int] = None, automaton=None):
     """Drafter pass + sequential Markov head. Returns (drafts [n], logq [n, V] (the proposal ``sampling.propose``
     drew each draft from; zeros when greedy), n_verify, survival [n] or None) for the block's first n =
     ``n_slots`` slots (static; default all G): a step that verifies W tokens needs only W - 1 drafts, and the
@@ -247,7 +247,10 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     survival_k = prod_{j<=k} sigmoid(c_j), the confidence head's probability that drafts 1..k are all accepted
     (computed when ``threshold > 0`` truncates the block or ``confidence`` asks for it; None without the head).
     Slot k's confidence reads the slot's hidden state and the previous token only, so truncating at the first k
-    with survival_k < threshold decides on slot k before its token is drawn: the rejection rule stays lossless."""
+    with survival_k < threshold decides on slot k before its token is drawn: the rejection rule stays lossless.
+    ``automaton`` (a constrained stream: (its state [1], its table)): the drafts are proposed in the language
+    (``DSparkDrafter.decode_block``); q is then the masked proposal, what the rejection rule reads, so any proposal
+    stays lossless, and drafts the target could never accept are not drafted."""
     want = (threshold > 0 or confidence) and drafter.confidence_head is not None
     G = drafter.config.block_size
     base_BNV, hid_BND = drafter.draft_logits(dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, n_slots)
@@ -263,7 +266,7 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
         return unless_greedy(sp, sampled, greedy)
 
     drafts, _, logq, conf = drafter.decode_block(base_BNV, hid_BND, anchor_1, pick, rng.split(key, G)[:n],
-                                                 confidence=want)
+                                                 confidence=want, automaton=automaton)
     drafts_N, logq_NV, conf_N = drafts[0], logq[0], conf[0]
     survival = jnp.cumprod(jax.nn.sigmoid(conf_N)) if want else None
     if threshold > 0 and survival is not None:
@@ -540,7 +543,9 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
         drafts_N, logq_NV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,
                                                              target.embed_tokens.embedding[...],
                                                              target.lm_head_DV(), k_draft, sp, threshold,
-                                                             confidence, n_slots=max(W - 1, 1))
+                                                             confidence, n_slots=max(W - 1, 1),
+                                                             automaton=None if st.fsm is None else (
+                                                                 jnp.reshape(st.fsm, (1,)), st.fsm_next))
     drafts, logq = drafts_N[:W - 1], logq_NV[:W - 1]
     n_verify = jnp.minimum(n_verify, W - 1)
     if max_drafts is not None:

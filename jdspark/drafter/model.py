@@ -275,28 +275,39 @@ class DSparkDrafter(nnx.Module):
             f = jnp.concatenate([hidden_BD, e.astype(hidden_BD.dtype)], axis=-1)
         return self.confidence_head(f).astype(f32)
 
-    def decode_block(self, base_logits_BGV, hidden_BGD, anchor_token_B, pick, keys_G=None, confidence: bool = True):
+    def decode_block(self, base_logits_BGV, hidden_BGD, anchor_token_B, pick, keys_G=None, confidence: bool = True,
+                     automaton=None):
         """The sequential Markov-head decode of one block (a ``lax.scan`` over its slots), used by generation and
         the tests alike: slot k's corrected logits z_k = base_k + bias(prev_k, hidden_k) with prev_0 = the anchor
         and prev_{k+1} = the token ``pick(key_k, z_k)`` returns (with an auxiliary output of its own).
-        Returns (tokens [B, G], z [B, G, Vd] fp32, aux [B, G, ...], confidence logits [B, G]: zeros without the
-        head or with ``confidence=False``)."""
+        ``automaton`` (constrained decoding, ``jdspark.grammar``; None: none): (q_B int32 the state after the
+        anchor, -1 unconstrained; next_QV int32 [Q, Vd]): slot k's z_k keeps only the tokens next[q_k] allows
+        (-inf elsewhere) and q_{k+1} = next[q_k, prev_{k+1}], so every draft stays in the language.
+        Returns (tokens [B, G], z [B, G, Vd] fp32 (masked), aux [B, G, ...], confidence logits [B, G]: zeros
+        without the head or with ``confidence=False``)."""
         G = base_logits_BGV.shape[1]
         anchor = jnp.asarray(anchor_token_B, jnp.int32)
+        q0 = jnp.full(anchor.shape, -1, jnp.int32) if automaton is None else jnp.asarray(automaton[0], jnp.int32)
 
         def slot(carry, xs):
-            prev_B, mstate = carry
+            prev_B, mstate, q_B = carry
             base_BV, hid_BD, key = xs
             bias, mstate = self.markov_bias(prev_B, hid_BD, mstate)
             z = base_BV + bias.astype(f32)
+            if automaton is not None:
+                next_QV = automaton[1]
+                row = next_QV[jnp.maximum(q_B, 0)]  # [B, Vd]
+                z = jnp.where((q_B[:, None] < 0) | (row >= 0), z, -jnp.inf)
             c = self.confidence_logit(hid_BD, prev_B) if confidence else None  # only truncation reads it
             c = jnp.zeros(prev_B.shape, f32) if c is None else c
             tok, aux = pick(key, z)
-            return (tok, mstate), (tok, z, aux, c)
+            if automaton is not None:
+                q_B = jnp.where(q_B >= 0, jnp.take_along_axis(row, tok[:, None], axis=1)[:, 0], -1)
+            return (tok, mstate, q_B), (tok, z, aux, c)
 
         xs = (jnp.swapaxes(base_logits_BGV, 0, 1), jnp.swapaxes(hidden_BGD, 0, 1),
               jnp.zeros((G,), jnp.int32) if keys_G is None else keys_G)
-        _, out = jax.lax.scan(slot, (anchor, self.init_markov_state(anchor.shape[0])), xs)
+        _, out = jax.lax.scan(slot, (anchor, self.init_markov_state(anchor.shape[0]), q0), xs)
         return jax.tree.map(lambda o: jnp.swapaxes(o, 0, 1), out)
 
     def greedy_block(self, base_logits_BGV, hidden_BGD, anchor_token_B):

@@ -161,7 +161,8 @@ def _reference(target, prompt, fsm, n):
 
 def test_constrained_greedy_generate_equals_the_masked_reference(pair):  # noqa: F811
     """Plain and DSpark: the output is one of the choices then EOS, token for token the host's masked decoder's;
-    one choice follows the model's own greedy text (its drafts are accepted), the others leave it (rejected)."""
+    one choice follows the model's own greedy text, others branch off it at every position: the drafter proposes
+    within the language too, and where it takes another branch than the target its draft is rejected."""
     target, drafter = pair
     V = target.config.vocab_size
     rng = np.random.default_rng(3)
@@ -170,7 +171,8 @@ def test_constrained_greedy_generate_equals_the_masked_reference(pair):  # noqa:
         prompt = [1] + rng.integers(3, V, 12).tolist()
         own = [t for t in jdspark.generate(target, None, np.asarray(prompt), max_new_tokens=6,
                                            eos_token_id=-1).tokens.tolist() if t > 2][:5]
-        choices = [own, [own[0], (own[1] + 7) % (V - 3) + 3, 9], [11, 12, 13, 14, 15, 16, 17]]
+        choices = [own, [11, 12, 13, 14, 15, 16, 17]] + [own[:k] + [(own[k] + 7 * k) % (V - 3) + 3, 9 + k]
+                                                         for k in range(1, len(own))]
         fsm = _ids_fsm(choices, V)
         want = _reference(target, prompt, fsm, 12)
         assert want[-1] == EOS and want[:-1] in choices, want
@@ -181,6 +183,39 @@ def test_constrained_greedy_generate_equals_the_masked_reference(pair):  # noqa:
         free = jdspark.generate(target, None, np.asarray(prompt), max_new_tokens=12).tokens.tolist()
         assert free != want  # unconstrained, it does not stop there
     assert 0 < accepted < drafted
+
+
+def test_drafts_are_proposed_in_the_language(pair):  # noqa: F811
+    """The drafter's Markov decode with the stream's automaton: every draft of a block walks the table (greedy and
+    sampled picks, from the start and from a state within a choice), the masked logits are -inf exactly where the
+    state refuses; unconstrained (state -1) it is the plain decode."""
+    import jax
+    import jax.numpy as jnp
+
+    from jdspark.sampling import SamplingParams, propose
+
+    _, drafter = pair
+    V, G = drafter.config.vocab_size, drafter.config.block_size
+    fsm = _ids_fsm([[5, 6, 7, 8, 9, 10], [5, 11, 12], [20, 21, 22, 23, 24, 25, 26]], V).next_QV
+    rng = np.random.default_rng(0)
+    base = jnp.asarray(rng.normal(size=(1, G, V)) * 3, jnp.float32)
+    hid = jnp.asarray(rng.normal(size=(1, G, drafter.config.hidden_size)), jnp.float32)
+    greedy = lambda k, z: (jnp.argmax(z, axis=-1).astype(jnp.int32), ())  # noqa: E731
+    sampled = lambda k, z: propose(k, z, SamplingParams(temperature=1.0))  # noqa: E731
+    keys = jax.random.split(jax.random.key(1), G)
+    for pick in (greedy, sampled):
+        for q0 in (0, int(fsm[0, 5])):
+            toks, z, _, _ = drafter.decode_block(base, hid, jnp.array([3]), pick, keys,
+                                                 automaton=(jnp.array([q0]), jnp.asarray(fsm)))
+            q = q0
+            for k, t in enumerate(np.asarray(toks[0]).tolist()):
+                np.testing.assert_array_equal(np.isfinite(np.asarray(z[0, k])), fsm[q] >= 0)
+                q = int(fsm[q, t])
+                assert q >= 0, (q0, k, toks)
+        free = drafter.decode_block(base, hid, jnp.array([3]), pick, keys)[0]
+        off = drafter.decode_block(base, hid, jnp.array([3]), pick, keys,
+                                   automaton=(jnp.array([-1]), jnp.asarray(fsm)))[0]
+        np.testing.assert_array_equal(np.asarray(free), np.asarray(off))
 
 
 def test_served_constrained_rows_equal_batch_one_generate(pair):  # noqa: F811
