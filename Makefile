@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 serve: $(STAMP)
 	$(PY) -m jdspark.serve --checkpoint checkpoints/default --slots 16 --port 8000

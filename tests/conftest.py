@@ -82,7 +82,8 @@ def pytest_runtest_makereport(item, call):
 
 
 # ------------------------------------------------------------------ the longest files first (make test: 2 workers)
-# pytest-xdist's --dist loadfile hands whole files to idle workers in collection order; the longest first keeps
+# pytest-xdist's --dist loadfile hands whole files to idle workers in collection order (with
+# --no-loadscope-reorder, as `make test` runs it; else xdist orders them by test count); the longest first keeps
 # one long file from running alone at the end while the other worker idles (longest-processing-time scheduling).
 # Measured on a cold 2-core run, most expensive first; every other file follows in its usual order.
 _LONGEST_FIRST = (  # seventeenth session: every file over 8 s in one cold single-process run, by its total
