@@ -79,7 +79,7 @@ from jdspark.serve_media import MediaError
 from jdspark.serve_metrics import ServeMetrics
 from jdspark.serve_request import ApiError, check_body, get_field, parse_completion, prompt_ids, split_prompts
 from jdspark.serve_stream import Mailbox, collect, logprobs_object, sse
-from jdspark.slots import SlotBackend, multi_step_plan
+from jdspark.slots import GUIDED_CLASSES, SlotBackend, multi_step_plan
 
 __all__ = ["build_app", "main", "SERVER_VERSION"]
 
@@ -99,7 +99,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               is_ready=lambda: True, max_prompt: Optional[int] = None,
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
               max_n: int = 1, tool_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0) -> FastAPI:
+              reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0,
+              guided_classes: Optional[int] = None) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
@@ -216,7 +217,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
             chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
             max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties,
-            guided_states=guided_states, **kw)
+            guided_states=guided_states, guided_classes=guided_classes, **kw)
 
     async def serve(request: Request, chat: bool):
         if not is_ready():
@@ -376,8 +377,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--guided-states", type=int, default=0, metavar="Q",
                     help="constrained decoding (vLLM's guided_choice / guided_regex / guided_json / "
                          "structured_outputs, OpenAI's response_format json_object / json_schema): "
-                         "each slot carries an automaton of up to Q states (Q x vocabulary int32); 0 (the default): "
-                         "not compiled in, a request asking for it is a 400")
+                         "each slot carries an automaton of up to Q states (Q x --guided-classes + vocabulary "
+                         "int32); 0 (the default): not compiled in, a request asking for it is a 400")
+    ap.add_argument("--guided-classes", type=int, default=GUIDED_CLASSES, metavar="C",
+                    help="the most token classes a constrained request's automaton may tell apart (tokens it treats "
+                         "alike share a column of the slot's table; jdspark.grammar.token_classes)")
     ap.add_argument("--max-n", type=int, default=16,
                     help="the most choices a request may ask ('n'): each is a request of its own in the engine")
     ap.add_argument("--tool-call-parser", choices=(*tool_calls.PARSERS, "none"), default="kimi_k2",
@@ -421,7 +425,7 @@ def make_engine(a: argparse.Namespace):
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
                           max_logprobs=a.max_logprobs if a.logprobs else None, penalties=a.penalties,
-                          guided_states=a.guided_states,
+                          guided_states=a.guided_states, guided_classes=a.guided_classes,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,
@@ -464,7 +468,8 @@ def main(argv=None) -> int:
                     max_logprobs=backend.max_logprobs, max_n=a.max_n,
                     tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
-                    penalties=backend.penalties, guided_states=backend.guided_states)
+                    penalties=backend.penalties, guided_states=backend.guided_states,
+                    guided_classes=backend.guided_classes)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

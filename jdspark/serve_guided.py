@@ -30,7 +30,7 @@ __all__ = ["GUIDED_FIELDS", "forced_tool", "guided_constraint", "guided_request"
 
 GUIDED_FIELDS = ("guided_choice", "guided_regex", "guided_json", "structured_outputs", "response_format")
 _STRUCTURED = {"choice", "regex", "json", "json_object"}
-_CACHED: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (tokenizer, TokenFSM)
+_CACHED: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (tokenizer, TokenFSM, its token classes)
 _CACHE_SIZE = 16
 _LOCK = threading.Lock()
 
@@ -130,11 +130,13 @@ def _response_format(fmt) -> tuple:
 
 
 def guided_constraint(body: dict, tokenizer, vocab_size: int, guided_states: int, ignore_eos: bool,
-                      stop_ids, reasoning_first: bool = False) -> Optional[TokenFSM]:
+                      stop_ids, reasoning_first: bool = False,
+                      guided_classes: Optional[int] = None) -> Optional[TokenFSM]:
     """The request's constraint over the vocabulary (None: none asked; module doc), or a 400 naming the field: a
     form not taken, a server started without ``--guided-states``, or an automaton of more states than it takes.
     ``reasoning_first``: the chat template opened a think block; the reasoning is free up to its ``</think>``
-    (vLLM's order: structured output after the reasoning), and the constraint holds from there."""
+    (vLLM's order: structured output after the reasoning), and the constraint holds from there.
+    ``guided_classes``: the most token classes a slot's table holds (``grammar.token_classes``; None: any)."""
     asked = guided_request(body)
     if asked is None:
         return None
@@ -152,7 +154,7 @@ def guided_constraint(body: dict, tokenizer, vocab_size: int, guided_states: int
         if hit is not None and hit[0] is tokenizer:  # (the id of a tokenizer since freed is not a hit)
             _CACHED.move_to_end(key)
     if hit is not None and hit[0] is tokenizer:
-        fsm = hit[1]
+        fsm, classes = hit[1], hit[2]
         if fsm.num_states > guided_states:
             raise ApiError(400, f"'{name}': an automaton of {fsm.num_states} states; this server takes at most "
                                 f"{guided_states} (--guided-states)", name)
@@ -175,8 +177,12 @@ def guided_constraint(body: dict, tokenizer, vocab_size: int, guided_states: int
         as_text = (reasoning.marker_ids(tokenizer) if reasoning_first else frozenset()) | (
             tool_calls.marker_ids(tokenizer) if name == "tool_choice" else frozenset())
         fsm = vocab_fsm(automaton, tokenizer, vocab_size, stops, specials_as_text=as_text)
+        classes = fsm.classes[0].shape[1]  # (kept with the table: the slots insert it by classes)
         with _LOCK:
-            _CACHED[key] = (tokenizer, fsm)
+            _CACHED[key] = (tokenizer, fsm, classes)
             while len(_CACHED) > _CACHE_SIZE:
                 _CACHED.popitem(last=False)
+    if guided_classes is not None and classes > guided_classes:
+        raise ApiError(400, f"'{name}': the automaton tells {classes} token classes apart; this server takes at most "
+                            f"{guided_classes} (--guided-classes)", name)
     return fsm

@@ -71,7 +71,7 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      max_logprobs: Optional[int] = None, max_n: int = 1,
                      tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
                      penalties: bool = True, default_max_tokens: Optional[int] = 16,
-                     guided_states: int = 0) -> Parsed:
+                     guided_states: int = 0, guided_classes: Optional[int] = None) -> Parsed:
     """A request body's ``Parsed`` form, or ApiError. ``default_max_tokens``: a request's ``max_tokens`` when it
     names none (None: the rest of the context after its prompt, as the Responses API's ``max_output_tokens``);
     ``max_n``: the most choices a request may ask (``n``);
@@ -79,14 +79,15 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     ``reasoning_parser``: how a chat answer's reasoning is told from the rest (``jdspark.reasoning``; None: not);
     ``penalties``: whether the server applies repetition / frequency / presence penalties, logit_bias and
     min_tokens (``--penalties``); ``guided_states``: the most automaton states a constrained request may take
-    (``--guided-states``; 0: none is served).
+    (``--guided-states``; 0: none is served), ``guided_classes`` the most token classes (``--guided-classes``;
+    None: any).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
                       max_logprobs, max_n, tool_parser, reasoning_parser, penalties, default_max_tokens,
-                      guided_states)
+                      guided_states, guided_classes)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -314,7 +315,7 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
            max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16,
-           guided_states=0):
+           guided_states=0, guided_classes=None):
     check_body(body, model_name)
     reject_unsupported(body)
     if chat and body.get("echo") not in (None, False):
@@ -394,7 +395,8 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     if asked and not penalties_served:
         raise ApiError(400, f"'{asked[0]}': penalties and logit controls are off on this server (start it with "
                             "--penalties)", asked[0], code="unsupported")
-    grammar = guided_constraint(body, tokenizer, vocab_size, guided_states, ignore_eos, stop_ids, bool(started))
+    grammar = guided_constraint(body, tokenizer, vocab_size, guided_states, ignore_eos, stop_ids, bool(started),
+                                guided_classes)
     n = get_field(body, "n", (int,), 1, lambda v: 1 <= v <= max_n, f"an integer in 1..{max_n}")
     if chat and body.get("best_of") not in (None, 1, n):
         raise ApiError(400, "'best_of' is not supported on /v1/chat/completions (only on /v1/completions)",

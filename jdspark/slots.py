@@ -73,6 +73,9 @@ MULTI_STEP_MAX_BATCH = 4
 
 # a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
 SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
+# token classes a slot's automaton may tell apart (``grammar.token_classes``; the shipped pair's json_object: 99,
+# a 3-property schema 147; at most the vocabulary): the table a slot holds is guided_states x this + V int32
+GUIDED_CLASSES = 512
 
 
 def _scalars(samp) -> tuple:
@@ -111,7 +114,8 @@ class SlotBackend:
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
-                 max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0):
+                 max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0,
+                 guided_classes: int = GUIDED_CLASSES):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -143,10 +147,13 @@ class SlotBackend:
         # docs/bench_penalties_default_pair.json), so a server offers them only when started with --penalties
         self.penalties = bool(penalties)
         # constrained decoding (``jdspark.grammar``): 0 (the default), not compiled in; Q, every slot carries an
-        # automaton state and a table of up to Q states (Q x V int32: what a guided request's choices may take)
-        if guided_states < 0:
-            raise ValueError(f"guided_states: expected >= 0 (0: off), got {guided_states}")
+        # automaton state and a table of up to Q states over up to C token classes (``grammar.token_classes``:
+        # Q x C + V int32, C at most the vocabulary)
+        if guided_states < 0 or guided_classes < 1:
+            raise ValueError(f"guided_states, guided_classes: expected >= 0 (0: off) and >= 1, got {guided_states}, "
+                             f"{guided_classes}")
         self.guided_states = int(guided_states)
+        self.guided_classes = min(int(guided_classes), self.cfg.vocab_size)
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
@@ -281,24 +288,25 @@ class SlotBackend:
                               always=True, allowed_ids=req.allowed_token_ids)
 
     def _grammar(self, req: Optional[SamplingRequest] = None):
-        """The request's automaton as the insert program takes it, (state, table [Q, V] padded to the slots' Q):
-        state 0 for a constrained request, -1 for any other; None where the slots carry none."""
+        """The request's automaton as the insert program takes it, (state, table by token classes [Q, C] padded to
+        the slots' Q and C, each id's class [V]): state 0 for a constrained request, -1 for any other; None where
+        the slots carry none."""
         if not self.guided_states:
             if req is not None and req.grammar is not None:
                 raise ValueError("grammar (guided decoding): this backend was built without it "
                                  "(SlotBackend(guided_states=Q); the server's --guided-states)")
             return None
-        V = self.cfg.vocab_size
-        table = np.full((self.guided_states, V), -1, np.int32)
+        V, Q, C = self.cfg.vocab_size, self.guided_states, self.guided_classes
+        table = np.full((Q, C), -1, np.int32)
         if req is None or req.grammar is None:
-            return np.int32(-1), table
+            return np.int32(-1), table, np.zeros((V,), np.int32)
         t = np.asarray(req.grammar.next_QV, np.int32)
-        if t.ndim != 2 or t.shape[1] != V or t.shape[0] > self.guided_states:
+        if t.ndim != 2 or t.shape[1] != V or t.shape[0] > Q:
             raise ValueError(f"grammar: a table of {t.shape[0] if t.ndim == 2 else '?'} states over "
-                             f"{t.shape[-1] if t.ndim else '?'} tokens; these slots take at most "
-                             f"{self.guided_states} states over {V}")
-        table[:t.shape[0]] = t
-        return np.int32(0), table
+                             f"{t.shape[-1] if t.ndim else '?'} tokens; these slots take at most {Q} states over {V}")
+        next_QC, class_V = req.grammar.device_tables(C)
+        table[:t.shape[0]] = next_QC
+        return np.int32(0), table, class_V
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
                 penalties=(1.0, 0.0, 0.0), controls=None):

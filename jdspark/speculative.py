@@ -109,14 +109,15 @@ class Stream:
     stop_ids: Optional[jax.Array] = None
     min_tokens: Optional[jax.Array] = None
     # with constrained decoding (``jdspark.grammar``; None without): int32 the automaton's state (-1: this stream is
-    # unconstrained), int32 [Q, V] its table
+    # unconstrained), its table by token classes (``grammar.token_classes``): int32 [Q, C] and the class of each id [V]
     fsm: Optional[jax.Array] = None
     fsm_next: Optional[jax.Array] = None
+    fsm_class: Optional[jax.Array] = None
 
 
 # the Stream fields a step never changes (a request's own settings, written at its prefill): a serving step of some
 # slots need not scatter them back into the slots' state (``slot_programs.step_rows``)
-REQUEST_CONSTANT = ("prompt_seen", "bias", "stop_ids", "min_tokens", "fsm_next")
+REQUEST_CONSTANT = ("prompt_seen", "bias", "stop_ids", "min_tokens", "fsm_next", "fsm_class")
 
 
 def _with_controls(row: Stream, V: int, controls: Optional[LogitControls]) -> Stream:
@@ -193,9 +194,9 @@ def _penalized(logits_KV, st: Stream, drafts_k, pen: Optional[Penalties]):
     return z if st.fsm is None else _constrained(z, st, drafts_k)
 
 
-def _fsm_step(next_QV, q, token):
+def _fsm_step(st: Stream, q, token):
     """The automaton's state after ``token`` from ``q`` (-1 stays -1: unconstrained, or past a token it refused)."""
-    return jnp.where(q >= 0, next_QV[jnp.maximum(q, 0), token], -1)
+    return jnp.where(q >= 0, st.fsm_next[jnp.maximum(q, 0), st.fsm_class[token]], -1)
 
 
 def _constrained(logits_KV, st: Stream, drafts_k):
@@ -204,10 +205,10 @@ def _constrained(logits_KV, st: Stream, drafts_k):
     a draft the automaton refused: that draft has probability 0 where it stands, so nothing past it is read)."""
     q, states = st.fsm, [st.fsm]
     for j in range(drafts_k.shape[0]):
-        q = _fsm_step(st.fsm_next, q, drafts_k[j])
+        q = _fsm_step(st, q, drafts_k[j])
         states.append(q)
     q_K = jnp.stack(states)
-    ok_KV = (q_K[:, None] < 0) | (st.fsm_next[jnp.maximum(q_K, 0)] >= 0)
+    ok_KV = (q_K[:, None] < 0) | (jnp.take(st.fsm_next[jnp.maximum(q_K, 0)], st.fsm_class, axis=1) >= 0)
     return jnp.where(ok_KV, logits_KV, -jnp.inf)
 
 
@@ -217,7 +218,7 @@ def _advanced(st: Stream, new_K, n_new):
         return None
     q = st.fsm
     for j in range(new_K.shape[0]):
-        q = jnp.where(j < n_new, _fsm_step(st.fsm_next, q, new_K[j]), q)
+        q = jnp.where(j < n_new, _fsm_step(st, q, new_K[j]), q)
     return q
 
 
@@ -320,12 +321,13 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None,
-                      penalties=None, controls=None, fsm_QV=None):
+                      penalties=None, controls=None, fsm=None):
     """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
     graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass),
     penalties (``sampling.Penalties`` or None);
     traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill), ``controls``
-    (``LogitControls`` or None), ``fsm_QV`` (a ``jdspark.grammar`` table, or None).
+    (``LogitControls`` or None), ``fsm`` (a ``jdspark.grammar`` table by token classes, (next_QC, class_V), or
+    None).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
@@ -335,7 +337,7 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
                                 cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties,
-                                controls=controls, grammar=None if fsm_QV is None else (0, fsm_QV))
+                                controls=controls, grammar=None if fsm is None else (0, *fsm))
     return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream, penalties)
 
 
@@ -434,7 +436,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         row = _with_controls(row, V, controls)
         row.prompt_seen = _seen(prompt_1P, prompt_len, V)
     if grammar is not None:
-        row.fsm, row.fsm_next = jnp.asarray(grammar[0], jnp.int32), jnp.asarray(grammar[1], jnp.int32)
+        row.fsm, row.fsm_next, row.fsm_class = (jnp.asarray(g, jnp.int32) for g in grammar)
     first = sample(k0, _penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
     row = _first(row, first)
     if logprobs is not None:
@@ -480,7 +482,7 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
         new = _with_controls(new, row.counts.shape[0], controls)
         new.prompt_seen = row.prompt_seen | _seen(ext_1E, ext_len, row.prompt_seen.shape[0])
     if row.fsm is not None:  # a constrained request is never a prefix-cache hit (``SlotBackend.insert``)
-        new.fsm, new.fsm_next = jnp.int32(-1), row.fsm_next
+        new.fsm, new.fsm_next, new.fsm_class = jnp.int32(-1), row.fsm_next, row.fsm_class
     first = sample(k0, _penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
     new = _first(new, first)
     if logprobs is not None:
@@ -545,7 +547,8 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
                                                              target.lm_head_DV(), k_draft, sp, threshold,
                                                              confidence, n_slots=max(W - 1, 1),
                                                              automaton=None if st.fsm is None else (
-                                                                 jnp.reshape(st.fsm, (1,)), st.fsm_next))
+                                                                 jnp.reshape(st.fsm, (1,)), st.fsm_next,
+                                                                 st.fsm_class))
     drafts, logq = drafts_N[:W - 1], logq_NV[:W - 1]
     n_verify = jnp.minimum(n_verify, W - 1)
     if max_drafts is not None:
@@ -635,9 +638,11 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     media = None if images is None else target.partition.replicate(target.image_features(ids, images))
     fsm = None
     if grammar is not None:
-        fsm = np.asarray(grammar.next_QV, np.int32)
-        if fsm.ndim != 2 or fsm.shape[1] != cfg.vocab_size:
-            raise ValueError(f"grammar: expected a table [Q, {cfg.vocab_size}], got shape {fsm.shape}")
+        table = np.asarray(grammar.next_QV, np.int32)
+        if table.ndim != 2 or table.shape[1] != cfg.vocab_size:
+            raise ValueError(f"grammar: expected a table [Q, {cfg.vocab_size}], got shape {table.shape}")
+        C = grammar.classes[0].shape[1]  # padded to a power of two: a program per (Q, bucket), not per automaton
+        fsm = grammar.device_tables(min(cfg.vocab_size, max(8, 1 << (C - 1).bit_length())))
     served_t, served_d = serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
     d_graph, d_state = nnx.split(served_d) if served_d is not None else (None, None)

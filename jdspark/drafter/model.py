@@ -281,8 +281,9 @@ class DSparkDrafter(nnx.Module):
         the tests alike: slot k's corrected logits z_k = base_k + bias(prev_k, hidden_k) with prev_0 = the anchor
         and prev_{k+1} = the token ``pick(key_k, z_k)`` returns (with an auxiliary output of its own).
         ``automaton`` (constrained decoding, ``jdspark.grammar``; None: none): (q_B int32 the state after the
-        anchor, -1 unconstrained; next_QV int32 [Q, Vd]): slot k's z_k keeps only the tokens next[q_k] allows
-        (-inf elsewhere) and q_{k+1} = next[q_k, prev_{k+1}], so every draft stays in the language.
+        anchor, -1 unconstrained; next_QC int32 [Q, C]; class_V int32 [Vd], the table by token classes): slot k's
+        z_k keeps only the tokens next[q_k] allows (-inf elsewhere) and q_{k+1} = next[q_k, prev_{k+1}], so every
+        draft stays in the language.
         Returns (tokens [B, G], z [B, G, Vd] fp32 (masked), aux [B, G, ...], confidence logits [B, G]: zeros
         without the head or with ``confidence=False``)."""
         G = base_logits_BGV.shape[1]
@@ -295,8 +296,8 @@ class DSparkDrafter(nnx.Module):
             bias, mstate = self.markov_bias(prev_B, hid_BD, mstate)
             z = base_BV + bias.astype(f32)
             if automaton is not None:
-                next_QV = automaton[1]
-                row = next_QV[jnp.maximum(q_B, 0)]  # [B, Vd]
+                next_QC, class_V = automaton[1], automaton[2]
+                row = jnp.take(next_QC[jnp.maximum(q_B, 0)], class_V, axis=1)  # [B, Vd]
                 z = jnp.where((q_B[:, None] < 0) | (row >= 0), z, -jnp.inf)
             c = self.confidence_logit(hid_BD, prev_B) if confidence else None  # only truncation reads it
             c = jnp.zeros(prev_B.shape, f32) if c is None else c

@@ -191,3 +191,29 @@ def test_generate_script_builds_the_constraint(tmp_path):
     for js, rx in (("{}", "a"), ('{"type": "number", "minimum": 1}', None), ("{bad", None)):
         with pytest.raises(SystemExit):
             gen.constraint(ap, argparse.Namespace(json_schema=js, regex=rx), tok, cfg)
+
+
+def test_token_classes_rebuild_the_table():
+    """A table by token classes: next_QC[q, class_V[v]] is next_QV[q, v] for every state and id (a schema's table
+    over the byte vocabulary), padding columns are -1 and never indexed, fewer classes than asked is refused; the
+    server refuses a request whose automaton tells more classes apart than --guided-classes, naming both."""
+    from jdspark.grammar import TokenFSM, regex_fsm, token_classes
+    from jdspark.serve_request import ApiError, parse_completion
+    from kimi.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    table = regex_fsm(schema_regex(CASES[0][0]), tok, tok.vocab_size, (tok.eos_id,)).next_QV
+    C = TokenFSM(table).classes[0].shape[1]
+    assert C < 64 < tok.vocab_size
+    next_QC, class_V = token_classes(table, 64)
+    np.testing.assert_array_equal(TokenFSM(table).device_tables(64)[0], next_QC)
+    assert next_QC.shape == (table.shape[0], 64) and class_V.max() < C
+    np.testing.assert_array_equal(next_QC[:, class_V], table)
+    assert (next_QC[:, C:] == -1).all()
+    with pytest.raises(ValueError, match=f"tells {C} token classes apart; at most {C - 1}"):
+        token_classes(table, C - 1)
+    kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=64, model_name="m", guided_states=64)
+    assert parse_completion({"prompt": "q", "guided_regex": "[a-c]+x"}, guided_classes=4, **kw).sampling.grammar
+    with pytest.raises(ApiError, match="tells 4 token classes apart; this server takes at most 3 "
+                                       r"\(--guided-classes\)"):
+        parse_completion({"prompt": "q", "guided_regex": "[a-c]+x"}, guided_classes=3, **kw)
