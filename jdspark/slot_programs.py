@@ -42,8 +42,8 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     so one program serves every image prompt of a bucket. ``penalties_3``: float32 [3], the request's repetition,
     frequency and presence penalties (``sampling.Penalties``; static ``penalties`` False: not compiled in, the
     rows carry no counts), ``controls`` its logit_bias and min_tokens (``sampling.LogitControls``; with
-    ``penalties``, which compiles both in), ``grammar`` its automaton (state, table [Q, V]: ``jdspark.grammar``;
-    state -1 for an unconstrained request; None: the slots carry none)."""
+    ``penalties``, which compiles both in), ``grammar`` its automaton (state, table by token classes [Q, C], class
+    of each id [V]: ``jdspark.grammar``; state -1 for an unconstrained request; None: the slots carry none)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p, min_p)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None

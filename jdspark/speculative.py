@@ -249,7 +249,7 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     (computed when ``threshold > 0`` truncates the block or ``confidence`` asks for it; None without the head).
     Slot k's confidence reads the slot's hidden state and the previous token only, so truncating at the first k
     with survival_k < threshold decides on slot k before its token is drawn: the rejection rule stays lossless.
-    ``automaton`` (a constrained stream: (its state [1], its table)): the drafts are proposed in the language
+    ``automaton`` (a constrained stream: (its state [1], next_QC, class_V)): the drafts are proposed in the language
     (``DSparkDrafter.decode_block``); q is then the masked proposal, what the rejection rule reads, so any proposal
     stays lossless, and drafts the target could never accept are not drafted."""
     want = (threshold > 0 or confidence) and drafter.confidence_head is not None
@@ -390,8 +390,9 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     ``penalties`` (``sampling.Penalties``; None: the stream carries no counts): the first token is drawn from the
     penalised logits (the prompt's tokens seen, none generated), and the stream keeps the counts the steps read;
     ``controls`` (``LogitControls``, with ``penalties``; None: none) the request's logit_bias and min_tokens.
-    ``grammar`` (None: the stream carries no automaton): (state int32: 0 constrained, -1 not; table int32 [Q, V]),
-    ``jdspark.grammar``: the first token is drawn from the masked logits, and every step's after it."""
+    ``grammar`` (None: the stream carries no automaton): (state int32: 0 constrained, -1 not; table by token classes
+    int32 [Q, C]; each id's class int32 [V]), ``jdspark.grammar``: the first token is drawn from the masked logits,
+    and every step's after it."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
