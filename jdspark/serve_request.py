@@ -30,6 +30,7 @@ UNSUPPORTED_FIELDS = {
     # vLLM's extra fields: beam search, grammars (EBNF / Lark: constrained decoding takes regular languages only),
     # multi-token bans, custom logits processors, embeddings as prompts, token ids spelled as strings, priority
     "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_grammar": (), "bad_words": ([],),
+    "guided_whitespace_pattern": (),  # JSON's layout here is json.dumps' (jdspark.json_schema)
     "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,), "priority": (0,),
     "spaces_between_special_tokens": (True,), "documents": ([],),
 }

@@ -295,6 +295,8 @@ BAD = [
     ({"prompt": "x", "guided_grammar": "root ::= x"}, "'guided_grammar' = \"root ::= x\" is not supported",
      "guided_grammar", 400),
     ({"prompt": "x", "use_beam_search": True}, "'use_beam_search' = true is not supported", "use_beam_search", 400),
+    ({"prompt": "x", "guided_whitespace_pattern": "[ ]*"}, "'guided_whitespace_pattern' = \"[ ]*\" is not supported",
+     "guided_whitespace_pattern", 400),
     ({"prompt": "x", "bad_words": ["foo"]}, "'bad_words' = [\"foo\"] is not supported", "bad_words", 400),
 
     ({"prompt": "x", "min_p": "0.1"}, "'min_p' must be a number in [0, 1]", "min_p", 400),
