@@ -384,6 +384,9 @@ class Engine:
                     reason = "length"
                     break
             if reason is not None:
+                if j + 1 < len(out.tokens):  # cut inside this step: drafts accepted past the cut (after EOS, a
+                    # stop id or max_tokens) were never the request's, so usage and metrics do not count them
+                    used[-1] = dataclasses.replace(out, accepted=min(out.accepted, j + 1))
                 break
         if req.sampling.max_tokens == 0:  # an echo of the prompt alone: the insert's token is not the request's
             take, reason, eos = [], "length", False

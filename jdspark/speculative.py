@@ -360,9 +360,11 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
         else:
             nxt_stream, res = spec_step(target, drafter, st.stream, sp, threshold, penalties=penalties)
         o, n_out, done = _emit(st, res.new_K, res.n_new, eos_id, max_new, stream)
-        acc = st.stats.accept_counts + (jnp.arange(G) < res.accepted).astype(jnp.int32)
+        # drafts accepted past the output's end (EOS or max_new inside the block) are not the output's: not counted
+        accepted = jnp.minimum(res.accepted, n_out - st.n_out)
+        acc = st.stats.accept_counts + (jnp.arange(G) < accepted).astype(jnp.int32)
         stats = GenStats(st.stats.target_steps + 1, st.stats.drafted + res.drafted,
-                         st.stats.accepted + res.accepted, acc)
+                         st.stats.accepted + accepted, acc)
         return _Loop(o, n_out, nxt_stream, done, stats)
 
     st = jax.lax.while_loop(lambda s: ~s.done, body, st)

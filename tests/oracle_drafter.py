@@ -129,7 +129,7 @@ def schedule(prompt_len: int, max_new: int, G: int, seed: int = 0, truncate: boo
         c, v = int(c_cycle.pop()), int(v_cycle.pop())
         cuts[pos], vcuts[pos] = c, v
         m = min(c, v)
-        lengths.append(m)
+        lengths.append(min(m, max_new - n_out))  # drafts accepted past max_new are not the output's: not counted
         verified.append(v)
         pos += m + 1
         n_out += m + 1
