@@ -54,18 +54,12 @@ class TokenFSM:
         return np.concatenate([next_QC, pad], axis=1), class_V
 
 
-def token_classes(next_QV: np.ndarray, classes: Optional[int] = None) -> tuple:
+def token_classes(next_QV: np.ndarray) -> tuple:
     """The table as the device holds it: (next_QC int32 [Q, C], class_V int32 [V]) with next_QV[q, v] =
     next_QC[q, class_V[v]]: tokens the automaton treats alike (the same column) share a class, so a slot's table is
     Q x C + V, not Q x V (json_object over the shipped 4096-token vocabulary: 99 classes; over K3's 163840 a dense
-    table would take 170 MB a slot). ``classes``: C padded to that many (columns of -1, never indexed); a
-    ValueError where the automaton tells more apart."""
+    table would take 170 MB a slot). Padded to a slot's C by ``TokenFSM.device_tables``."""
     cols, class_V = np.unique(np.asarray(next_QV, np.int32).T, axis=0, return_inverse=True)
-    C = cols.shape[0]
-    if classes is not None:
-        if C > classes:
-            raise ValueError(f"grammar: the automaton tells {C} token classes apart; at most {classes} are taken")
-        cols = np.concatenate([cols, np.full((classes - C, cols.shape[1]), -1, np.int32)])
     return np.ascontiguousarray(cols.T, dtype=np.int32), class_V.astype(np.int32).reshape(-1)
 
 

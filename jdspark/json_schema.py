@@ -29,8 +29,8 @@ __all__ = ["literal", "schema_regex", "json_value_regex", "any_object_regex", "i
 
 MAX_DEPTH = 3  # how deep a free-form value (json_object, an object without properties) may nest
 _SEP_ITEM, _SEP_KEY = ", ?", ": ?"
-STRING = r'"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
-_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'  # one character of a JSON string
+STRING = f'"{_CHAR}*"'
 NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 INTEGER = r"-?(?:0|[1-9][0-9]*)"
 _FORMATS = {

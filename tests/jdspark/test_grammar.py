@@ -12,7 +12,7 @@ import pytest
 
 import jdspark
 from jdspark.engine import SamplingRequest
-from jdspark.grammar import choice_automaton, choice_fsm, regex_automaton, token_classes, token_fsm
+from jdspark.grammar import TokenFSM, choice_automaton, choice_fsm, regex_automaton, token_fsm
 from jdspark.slots import SlotBackend
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.test_logprobs import pair  # noqa: F401  (the tiny pair: drafts partly wrong)
@@ -203,7 +203,7 @@ def test_drafts_are_proposed_in_the_language(pair):  # noqa: F811
     greedy = lambda k, z: (jnp.argmax(z, axis=-1).astype(jnp.int32), ())  # noqa: E731
     sampled = lambda k, z: propose(k, z, SamplingParams(temperature=1.0))  # noqa: E731
     keys = jax.random.split(jax.random.key(1), G)
-    device = tuple(jnp.asarray(a) for a in token_classes(fsm, 32))  # the table by token classes, padded
+    device = tuple(jnp.asarray(a) for a in TokenFSM(fsm).device_tables(32))  # the table by token classes, padded
     for pick in (greedy, sampled):
         for q0 in (0, int(fsm[0, 5])):
             toks, z, _, _ = drafter.decode_block(base, hid, jnp.array([3]), pick, keys,
