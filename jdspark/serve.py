@@ -79,7 +79,7 @@ from jdspark.serve_media import MediaError
 from jdspark.serve_metrics import ServeMetrics
 from jdspark.serve_request import ApiError, check_body, get_field, parse_completion, prompt_ids, split_prompts
 from jdspark.serve_stream import Mailbox, collect, logprobs_object, sse
-from jdspark.slots import GUIDED_CLASSES, SlotBackend, multi_step_plan
+from jdspark.slots import GUIDED_CLASSES, GUIDED_STATES, SlotBackend, multi_step_plan
 
 __all__ = ["build_app", "main", "SERVER_VERSION"]
 
@@ -374,11 +374,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="compile repetition / frequency / presence penalties, logit_bias and min_tokens into the "
                          "programs (without it a request asking for them is a 400: compiled in, steps of requests "
                          "without them cost 3-4%% more at the whole block's width, docs/serving.md)")
-    ap.add_argument("--guided-states", type=int, default=0, metavar="Q",
+    ap.add_argument("--guided-states", type=int, default=GUIDED_STATES, metavar="Q",
                     help="constrained decoding (vLLM's guided_choice / guided_regex / guided_json / "
-                         "structured_outputs, OpenAI's response_format json_object / json_schema): "
-                         "each slot carries an automaton of up to Q states (Q x --guided-classes + vocabulary "
-                         "int32); 0 (the default): not compiled in, a request asking for it is a 400")
+                         "structured_outputs, OpenAI's response_format json_object / json_schema, forced tool "
+                         "calls): each slot carries an automaton of up to Q states (Q x --guided-classes + "
+                         "vocabulary int32: 2 MiB a slot at the defaults); 0: not compiled in, a request asking "
+                         "for it is a 400 (default: %(default)s)")
     ap.add_argument("--guided-classes", type=int, default=GUIDED_CLASSES, metavar="C",
                     help="the most token classes a constrained request's automaton may tell apart (tokens it treats "
                          "alike share a column of the slot's table; jdspark.grammar.token_classes)")

@@ -20,10 +20,10 @@ prompt, steps launched back to back as the engine pipelines them (ms per step), 
 no row penalised (the ``lax.cond`` skips the penalised logits and the counts' update), asked = every row with
 repetition 1.1, frequency 0.2, presence 0.1 (``jdspark.sampling.Penalties``), a logit_bias on two tokens and
 min_tokens 2 (``jdspark.sampling.LogitControls``); log-probabilities off in every arm. ``--feature guided``: off =
-``guided_states=0``, unasked = ``guided_states=GUIDED_STATES`` (``--guided-states``) with no row constrained (each
-row still carries a table and masks with it: state -1 keeps every token), asked = every row constrained by a
-cyclic automaton of GUIDED_STATES states that refuses a seventh of the vocabulary from each state
-(``guided_table``; ``jdspark.grammar``).
+``guided_states=0``, unasked = ``guided_states=Q`` (``--guided-states Q``, default the server's) with no row
+constrained (each row still carries a table and masks with it: state -1 keeps every token), asked = every row
+constrained by a cyclic automaton of GUIDED_STATES states that refuses a seventh of the vocabulary from each state
+(``guided_table``; ``jdspark.grammar``), held in the slots' Q-state tables.
 
 The arms' rounds interleave (each round times every arm, the order rotating) and each ratio is the median of the
 rounds' ratios taken side by side (this machine's speed drifts by more than the effect within a minute). W = 1
@@ -46,7 +46,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 ARMS = ("off", "unasked", "asked")
-GUIDED_STATES = 32  # --feature guided: the slots' automaton states (the server's --guided-states)
+GUIDED_STATES = 32  # --feature guided: the asked rows' automaton (held in tables of the slots' Q states)
 
 
 def guided_table(vocab_size: int, states: int = GUIDED_STATES):
@@ -65,13 +65,13 @@ FEATURES = {
     "logprobs": (lambda on, top: dict(max_logprobs=top if on else None),
                  lambda top, insert: dict(logprobs=top, prompt_logprobs=top if insert else None)),
     "penalties": (lambda on, top: dict(max_logprobs=None, penalties=on), lambda top, insert: ASKED_PENALTIES),
-    "guided": (lambda on, top: dict(max_logprobs=None, guided_states=GUIDED_STATES if on else 0),
+    "guided": (lambda on, top, states=GUIDED_STATES: dict(max_logprobs=None, guided_states=states if on else 0),
                lambda top, insert: {"grammar": "table"}),
 }
 
 
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
-        top: int = 20, steps: int = 1, feature: str = "logprobs") -> dict:
+        top: int = 20, steps: int = 1, feature: str = "logprobs", guided_states: int = GUIDED_STATES) -> dict:
     from jdspark.engine import SamplingRequest
     from jdspark.graphs import memory_maps
     from jdspark.slot_programs import step_rows
@@ -81,6 +81,11 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
         raise ValueError(f"feature: expected one of {sorted(FEATURES)}, got {feature!r}")
     backend_kw, ask = FEATURES[feature]
     table = guided_table(target.config.vocab_size) if feature == "guided" else None
+    if feature == "guided":
+        if guided_states < GUIDED_STATES:
+            raise ValueError(f"guided_states: expected >= {GUIDED_STATES} (the asked rows' automaton), "
+                             f"got {guided_states}")
+        backend_kw = (lambda kw: lambda on, top: kw(on, top, guided_states))(backend_kw)
 
     def asking(top, insert):  # (the guided table is the model's vocabulary's)
         return {k: (table if v == "table" else v) for k, v in ask(top, insert).items()}
@@ -149,7 +154,7 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     for be in backends.values():
         for s in range(slots):
             be.free(s)
-    return {"feature": feature, "cells": cells, "insert": insert, "top_logprobs": top, "steps_per_launch": steps,
+    return {"feature": feature, **({"guided_states": guided_states} if feature == "guided" else {}), "cells": cells, "insert": insert, "top_logprobs": top, "steps_per_launch": steps,
             "slots": slots, "max_len": max_len, "prompt_len": P, "iters": iters, "repeats": repeats,
             "compiled": compiled}
 
@@ -162,11 +167,15 @@ def main(argv=None) -> int:
                            steps_help="K > 1: launches of K steps (multi-step scheduling: the server's at batch "
                                       "buckets <= 4)")
     ap.add_argument("--feature", choices=sorted(FEATURES), default="logprobs")
+    ap.add_argument("--guided-states", type=int, default=GUIDED_STATES, metavar="Q",
+                    help="--feature guided: the slots' automaton states (the server's --guided-states; the asked "
+                         "rows' automaton has %(default)s whatever Q)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     target, drafter, prompts, batches, widths = slot_bench_inputs(ap, a, "bench_logprobs", lambda G: sorted({1, G + 1}))
     res = run(target, drafter, prompts, slots=a.slots, max_len=a.max_len, batches=batches, widths=widths,
-              iters=a.iters, repeats=a.repeats, steps=a.steps_per_launch, feature=a.feature)
+              iters=a.iters, repeats=a.repeats, steps=a.steps_per_launch, feature=a.feature,
+              guided_states=a.guided_states)
     for c in res["cells"]:
         print(f"[bench_logprobs] b={c['batch']:2d} W={c['width']}: off {c['off_ms']:7.2f} ms/step, unasked "
               f"{c['unasked_over_off']:.3f}x, asked {c['asked_over_off']:.3f}x", file=sys.stderr)
