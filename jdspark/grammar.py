@@ -59,8 +59,30 @@ def token_classes(next_QV: np.ndarray) -> tuple:
     next_QC[q, class_V[v]]: tokens the automaton treats alike (the same column) share a class, so a slot's table is
     Q x C + V, not Q x V (json_object over the shipped 4096-token vocabulary: 99 classes; over K3's 163840 a dense
     table would take 170 MB a slot). Padded to a slot's C by ``TokenFSM.device_tables``."""
-    cols, class_V = np.unique(np.asarray(next_QV, np.int32).T, axis=0, return_inverse=True)
-    return np.ascontiguousarray(cols.T, dtype=np.int32), class_V.astype(np.int32).reshape(-1)
+    next_QV = np.asarray(next_QV, np.int32)
+    first_C, class_V = _row_groups(next_QV.T)
+    return np.ascontiguousarray(next_QV[:, first_C]), class_V.astype(np.int32)
+
+
+def _row_groups(M_NK: np.ndarray, chunk: int = 256) -> tuple:
+    """Identical rows of an int matrix grouped: (first_G, group_N) with group g's rows those where group_N == g,
+    first_G[g] its first row, groups numbered in order of first row. Exact: rows are hashed (a fixed random linear
+    form mod 2^64, ``chunk`` columns at a time so a [V, Q] matrix is never copied whole), every row is compared
+    with its group's first, and on a collision (then ``np.unique`` over whole rows) no two rows are merged."""
+    N, K = M_NK.shape
+    weights_K = np.random.default_rng(0x5EED).integers(1, 2 ** 63, size=K, dtype=np.uint64)
+    h_N = np.zeros(N, np.uint64)
+    for j in range(0, K, chunk):
+        h_N += (M_NK[:, j:j + chunk].astype(np.uint64) * weights_K[j:j + chunk]).sum(axis=1, dtype=np.uint64)
+    _, first, group = np.unique(h_N, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    if not all((M_NK[:, j:j + chunk] == M_NK[first[group], j:j + chunk]).all() for j in range(0, K, chunk)):
+        _, first, group = np.unique(M_NK, axis=0, return_index=True, return_inverse=True)
+        group = group.reshape(-1)
+    by_first = np.argsort(first)
+    rank = np.empty(len(first), np.int64)
+    rank[by_first] = np.arange(len(first))
+    return first[by_first], rank[group]
 
 
 def choice_automaton(choices: Sequence[bytes]) -> tuple:
@@ -84,28 +106,31 @@ def choice_automaton(choices: Sequence[bytes]) -> tuple:
 def token_fsm(delta_Q256: np.ndarray, accept_Q: np.ndarray, token_bytes: Sequence[Optional[bytes]],
               vocab_size: int, stop_ids: Sequence[int]) -> TokenFSM:
     """The automaton lifted to a vocabulary: ``token_bytes[v]`` the text of id v (None or b"": never allowed; ids
-    past the list likewise), ``stop_ids`` allowed exactly in accepting states. All tokens walk in parallel, one byte
-    position at a time (Q x the longest token's length NumPy passes over the vocabulary)."""
+    past the list likewise), ``stop_ids`` allowed exactly in accepting states. Every state walks every token at
+    once, one byte position at a time (tokens longest first, so position j touches only the tokens longer than
+    j; states in chunks of about 4M state-token pairs)."""
     Q = delta_Q256.shape[0]
     n = min(len(token_bytes), vocab_size)
-    lens = np.array([len(token_bytes[v] or b"") for v in range(n)] + [0] * (vocab_size - n), np.int64)
-    L = max(1, int(lens.max(initial=0)))
-    bytes_VL = np.zeros((vocab_size, L), np.int64)
-    for v in range(n):
-        b = token_bytes[v]
-        if b:
-            bytes_VL[v, :len(b)] = np.frombuffer(b, np.uint8)
-    stops = np.asarray([s for s in stop_ids if 0 <= s < vocab_size], np.int64)
+    lens_V = np.array([len(token_bytes[v] or b"") for v in range(n)] + [0] * (vocab_size - n), np.int64)
+    order_V = np.argsort(-lens_V, kind="stable")  # longest first
+    L = max(1, int(lens_V.max(initial=0)))
+    bytes_VL = np.zeros((vocab_size, L), np.int64)  # in that order
+    for i, v in enumerate(order_V[:int((lens_V > 0).sum())]):
+        bytes_VL[i, :lens_V[v]] = np.frombuffer(token_bytes[v], np.uint8)
+    longer_L = [int((lens_V > j).sum()) for j in range(L)]  # tokens with a byte at position j: the first ones
+    delta = np.asarray(delta_Q256, np.int32)
     next_QV = np.full((Q, vocab_size), -1, np.int32)
-    for q in range(Q):
-        cur = np.full(vocab_size, q, np.int64)
+    rows = max(1, (1 << 22) // max(vocab_size, 1))
+    for q0 in range(0, Q, rows):
+        q_R = np.arange(q0, min(q0 + rows, Q), dtype=np.int32)
+        cur_RV = np.repeat(q_R[:, None], longer_L[0], axis=1)
         for j in range(L):
-            live = (j < lens) & (cur >= 0)
-            cur = np.where(live, delta_Q256[np.maximum(cur, 0), bytes_VL[:, j]], cur)
-        cur = np.where(lens > 0, cur, -1)
-        if stops.size:
-            cur[stops] = q if accept_Q[q] else -1
-        next_QV[q] = cur
+            live = cur_RV[:, :longer_L[j]]
+            live[...] = np.where(live >= 0, delta[np.maximum(live, 0), bytes_VL[None, :longer_L[j], j]], -1)
+        next_QV[q0:q0 + len(q_R), order_V[:longer_L[0]]] = cur_RV
+    stops = np.asarray([s for s in stop_ids if 0 <= s < vocab_size], np.int64)
+    if stops.size:
+        next_QV[:, stops] = np.where(np.asarray(accept_Q, bool), np.arange(Q, dtype=np.int32), -1)[:, None]
     return TokenFSM(next_QV)
 
 
@@ -382,6 +407,17 @@ def regex_automaton(pattern: str) -> tuple:
         raise ValueError("regex: expected a non-empty pattern")
     nfa = _NFA()
     start, end = nfa.build(_Parser(pattern).parse())
+    shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+    # bytes no edge tells apart move alike: walk one class of them at a time (the classes' bounds: every edge's)
+    cuts = sorted({0, 256} | {b for edges in nfa.edges for lo, hi, _ in edges for b in (lo, hi + 1)})
+    class_of = [0] * 257
+    for c, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        class_of[a:b] = [c] * (b - a)
+    moves_of = [[(c, t) for lo, hi, t in edges for c in range(class_of[lo], class_of[hi] + 1)]
+                for edges in nfa.edges]  # per NFA state: (byte class, target) pairs
+    # a subset is kept as the NFA states of its closure that read a byte, and whether the end is among them (the
+    # other states only lead on by epsilon: two closures alike on these have the same future)
+    kept = frozenset(q for q, m in enumerate(moves_of) if m) | {end}
 
     def closure(states):
         stack, seen = list(states), set(states)
@@ -390,39 +426,32 @@ def regex_automaton(pattern: str) -> tuple:
                 if t not in seen:
                     seen.add(t)
                     stack.append(t)
-        return frozenset(seen)
+        return frozenset(seen & kept)
 
-    shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
-    # bytes no edge tells apart move alike: walk one class of them at a time (the classes' bounds: every edge's)
-    cuts = sorted({0, 256} | {b for edges in nfa.edges for lo, hi, _ in edges for b in (lo, hi + 1)})
-    class_of = np.zeros(257, np.int64)
-    for c, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        class_of[a:b] = c
-    members = [np.arange(a, b) for a, b in zip(cuts, cuts[1:])]
     first = closure([start])
     index, order, rows, closed = {first: 0}, [first], [], {}
     while len(rows) < len(order):
-        S = order[len(rows)]
-        row = np.full(256, -1, np.int32)
+        row = [-1] * (len(cuts) - 1)
         moves: dict = {}
-        for q in S:
-            for lo, hi, t in nfa.edges[q]:
-                for c in range(class_of[lo], class_of[hi] + 1):
-                    moves.setdefault(c, set()).add(t)
+        for q in order[len(rows)]:
+            for c, t in moves_of[q]:
+                moves.setdefault(c, []).append(t)
         for c, ts in moves.items():
             ts = frozenset(ts)
-            if ts not in closed:  # bytes leading to the same NFA states share one closure
-                closed[ts] = closure(ts)
-            T = closed[ts]
-            if T not in index:
+            T = closed.get(ts)
+            if T is None:  # bytes leading to the same NFA states share one closure
+                T = closed[ts] = closure(ts)
+            i = index.get(T)
+            if i is None:
                 if len(order) >= MAX_SUBSET_STATES:
                     raise ValueError(f"regex {shown!r}: its automaton exceeds {MAX_SUBSET_STATES} states before "
                                      "minimizing")
-                index[T] = len(order)
+                i = index[T] = len(order)
                 order.append(T)
-            row[members[c]] = index[T]
+            row[c] = i
         rows.append(row)
-    delta, accept = np.stack(rows), np.array([end in S for S in order])
+    rows = np.asarray(rows, np.int32)[:, np.asarray(class_of[:256])]
+    delta, accept = rows, np.array([end in S for S in order])
     # keep the states from which an accepting one can be reached, renumbered in order (the start stays 0)
     live, leads = accept.copy(), delta >= 0
     target = np.maximum(delta, 0)
@@ -444,40 +473,35 @@ def regex_automaton(pattern: str) -> tuple:
 
 def minimize(delta_Q256: np.ndarray, accept_Q: np.ndarray) -> tuple:
     """The smallest automaton of the same language (Moore's partition refinement: states stay together while
-    they agree on accepting and on the class each byte leads to; -1 is a class of its own). States are renumbered
-    in order of first reach from the start (0)."""
+    they agree on accepting and on the class each byte leads to; -1 leads to a dead state of its own). States are
+    renumbered in order of first reach from the start (0), breadth first, bytes in order."""
     Q = delta_Q256.shape[0]
-    to = np.where(delta_Q256 >= 0, delta_Q256, Q)  # Q: the dead "state"
-    _, columns = np.unique(to.T, axis=0, return_index=True)  # one byte of each set the automaton treats alike
-    to_cols = np.vstack([to[:, columns], np.full((1, len(columns)), Q)])
-    cls = np.append(accept_Q.astype(np.int64), 2)
+    to_Q256 = np.where(delta_Q256 >= 0, delta_Q256, Q).astype(np.int64)  # Q: the dead state
+    first_K, col_256 = _row_groups(to_Q256.T)  # bytes the automaton treats alike: one column each (by first byte)
+    to_QK = np.vstack([to_Q256[:, first_K], np.full((1, len(first_K)), Q)])  # [Q + 1, K]
+    cls = np.append(np.asarray(accept_Q, np.int64), 2)  # the dead state never accepts, nor reaches what does
     count = len(np.unique(cls))
     while True:
-        sig = np.concatenate([cls[:, None], cls[to_cols]], axis=1)
-        ids: dict = {}
-        new = np.array([ids.setdefault(row, len(ids)) for row in map(tuple, sig.tolist())])
-        if len(ids) == count:
+        _, new = _row_groups(np.concatenate([cls[:, None], cls[to_QK]], axis=1))
+        if new.max() + 1 == count:
             break
-        cls, count = new, len(ids)
-    order, seen = [], {}
+        cls, count = new, int(new.max()) + 1
+    _, rep, cls = np.unique(cls, return_index=True, return_inverse=True)  # each class's first state
+    cls = cls.reshape(-1)
+    dead = int(cls[Q])
+    next_CK = cls[to_QK[rep]]
+    number = {int(cls[0]): 0}  # breadth first from the start's class (columns in order of their first byte)
     frontier = [int(cls[0])]
-    seen[frontier[0]] = 0
-    rep = {}
-    for q in range(Q):
-        rep.setdefault(int(cls[q]), q)
-    while frontier:  # breadth-first from the start's class
-        c = frontier.pop(0)
-        order.append(c)
-        for t in to[rep[c]]:
-            ct = int(cls[t])
-            if t < Q and ct not in seen:
-                seen[ct] = len(seen)
-                frontier.append(ct)
-    out = np.full((len(order), 256), -1, np.int32)
-    for i, c in enumerate(order):
-        row = to[rep[c]]
-        out[i] = np.where(row < Q, [seen.get(int(cls[t]), -1) if t < Q else -1 for t in row], -1)
-    return out, np.array([bool(accept_Q[rep[c]]) for c in order])
+    for c in frontier:
+        for t in next_CK[c].tolist():
+            if t != dead and t not in number:
+                number[t] = len(number)
+                frontier.append(t)
+    renumber = np.full(count, -1, np.int64)
+    renumber[list(number)] = list(number.values())
+    order = np.asarray(frontier, np.int64)
+    out = renumber[next_CK[order]][:, col_256].astype(np.int32)
+    return out, np.asarray(accept_Q, bool)[rep[order]]
 
 
 def after_marker(automaton: tuple, marker: bytes) -> tuple:

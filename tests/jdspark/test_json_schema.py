@@ -1,7 +1,9 @@
 """JSON output (``jdspark.json_schema``): integer ranges against every integer near them, JSON documents a schema
 validates (and ones it does not) walked through the minimal byte automaton and Python's ``re``, random documents
-in both json.dumps layouts against the free-form object, the refusals naming their keyword, and the minimal
-automaton against the unminimized one's language. Host code only: no program is compiled here."""
+in both json.dumps layouts against the free-form object, the refusals naming their keyword, the minimal
+automaton against the unminimized one's language and a brute-force count of its states, and the vectorized
+builders (row grouping, the vocabulary lift) against slow obvious ones. Host code only: no program is compiled
+here."""
 
 import json
 import random
@@ -10,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from jdspark.grammar import minimize, regex_automaton
+from jdspark.grammar import _row_groups, minimize, regex_automaton, token_fsm
 from jdspark.json_schema import MAX_DEPTH, any_object_regex, integer_range_regex, json_value_regex, schema_regex
 
 
@@ -160,6 +162,81 @@ def test_minimized_automaton_is_minimal_and_keeps_the_language():
             q0 = int(delta[q0, b]) if q0 >= 0 else -1
             q1 = int(small[0][q1, b]) if q1 >= 0 else -1
         assert (q0 >= 0 and bool(accept[q0])) == (q1 >= 0 and bool(small[1][q1])), text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_minimized_state_count_is_myhill_nerode_s(seed):
+    """Random automata over {a, b, c} whose every state is reached from 0 and reaches an accepting one (a chain on
+    'a'): the minimal automaton has as many states as there are distinct languages among the states, judged by
+    brute force over every string of up to Q letters (two states of Q-state automata that agree that far agree)."""
+    rng = np.random.default_rng(seed)
+    Q = 7
+    delta = np.full((Q, 256), -1, np.int32)
+    delta[:, 97:100] = rng.integers(-1, Q, size=(Q, 3))
+    delta[np.arange(Q - 1), 97] = np.arange(1, Q)
+    accept = rng.random(Q) < 0.3
+    accept[Q - 1] = True
+    words = [b""]
+    for n in range(Q):
+        words += [w + c for w in words if len(w) == n for c in (b"a", b"b", b"c")]
+
+    def language(q):
+        out = []
+        for w in words:
+            s = q
+            for b in w:
+                s = int(delta[s, b]) if s >= 0 else -1
+            out.append(s >= 0 and bool(accept[s]))
+        return tuple(out)
+
+    want = len({language(q) for q in range(Q)})
+    small, small_accept = minimize(delta, accept)
+    assert small.shape[0] == want
+    assert small_accept.dtype == bool and len(small_accept) == want
+    assert (small[:, :97] == -1).all() and (small[:, 100:] == -1).all()
+
+
+def test_row_groups_group_equal_rows_exactly():
+    """``_row_groups`` (hashed) against a dictionary of whole rows, groups numbered by first row; two rows made
+    to share a hash (a, 0) and (0, b) with the hash's weights (b, a)... are still told apart."""
+    rng = np.random.default_rng(1)
+    for n, k, distinct in ((50, 3, 4), (300, 40, 25), (1000, 600, 200), (5, 0, 1)):
+        base = rng.integers(-1, 9, size=(distinct, k))
+        M = base[rng.integers(0, distinct, size=n)]
+        first, group = _row_groups(M)
+        seen: dict = {}
+        want = np.array([seen.setdefault(tuple(r), len(seen)) for r in M.tolist()])
+        np.testing.assert_array_equal(group, want)
+        np.testing.assert_array_equal(first, [want.tolist().index(g) for g in range(len(seen))])
+    w = np.random.default_rng(0x5EED).integers(1, 2 ** 63, size=2, dtype=np.uint64).astype(np.int64)
+    M = np.array([[w[1], 0], [0, w[0]], [w[1], 0]])  # rows 0 and 1 collide: w0 * w1 either way
+    first, group = _row_groups(M)
+    assert group.tolist() == [0, 1, 0] and first.tolist() == [0, 1]
+
+
+def test_vocabulary_lift_equals_walking_each_token():
+    """``token_fsm`` (every state walks every token at once, tokens longest first) against walking each token's
+    bytes from each state in Python: a JSON schema's automaton, 700 tokens of 0-9 bytes drawn from JSON's
+    characters (multi-byte UTF-8 and pieces of it among them), unset ids, ids past the list, and two stop ids."""
+    delta, accept = regex_automaton(schema_regex(CASES[0][0]))
+    rng = random.Random(3)
+    alphabet = [c.encode() for c in '{}[]":, 0123456789abcdefghijklmnopqrstuvwxyz\\-.e'] + ["é".encode(),
+                "é".encode()[:1], "€".encode()[1:]]
+    tb = [None, b""] + [b"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 9))) for _ in range(698)]
+    V, stops = 710, (5, 709)
+    got = token_fsm(delta, accept, tb, V, stops).next_QV
+    want = np.full((delta.shape[0], V), -1, np.int64)
+    for q in range(delta.shape[0]):
+        for v in range(V):
+            if v in stops:
+                want[q, v] = q if accept[q] else -1
+                continue
+            s = q if v < len(tb) and tb[v] else -1
+            for b in (tb[v] or b"") if v < len(tb) else b"":
+                s = int(delta[s, b]) if s >= 0 else -1
+            want[q, v] = s
+    np.testing.assert_array_equal(got, want)
+    assert (got[:, 2:700] >= 0).sum() > delta.shape[0] * 5  # tokens walk somewhere (not a trivial table)
 
 
 def test_generate_script_builds_the_constraint(tmp_path):
