@@ -154,9 +154,10 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     for be in backends.values():
         for s in range(slots):
             be.free(s)
-    return {"feature": feature, **({"guided_states": guided_states} if feature == "guided" else {}), "cells": cells, "insert": insert, "top_logprobs": top, "steps_per_launch": steps,
-            "slots": slots, "max_len": max_len, "prompt_len": P, "iters": iters, "repeats": repeats,
-            "compiled": compiled}
+    states = {"guided_states": guided_states} if feature == "guided" else {}
+    return {"feature": feature, **states, "cells": cells, "insert": insert, "top_logprobs": top,
+            "steps_per_launch": steps, "slots": slots, "max_len": max_len, "prompt_len": P, "iters": iters,
+            "repeats": repeats, "compiled": compiled}
 
 
 def main(argv=None) -> int:
