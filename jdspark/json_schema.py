@@ -13,19 +13,22 @@ or ``#/definitions/..`` (not recursive), ``properties`` + ``required`` (other pr
 strict mode), an object without ``properties`` (any keys, values nested to ``MAX_DEPTH``), ``items``,
 ``minItems`` / ``maxItems``, ``minLength`` / ``maxLength`` / ``pattern`` / ``format`` (date,
 time, date-time, uuid) of strings, ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` of
-integers. A keyword that constrains in another way (``multipleOf``, ``uniqueItems``, ``not``, number bounds, ...)
+integers (exact decimal ranges) and of numbers (a bounded number is written without an exponent:
+``number_range_regex``). A keyword that constrains in another way (``multipleOf``, ``uniqueItems``, ``not``, ...)
 is refused with a ValueError naming it, never silently dropped; annotations (``title``, ``description``,
 ``default``, ``examples``, ...) are read past.
 """
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import re
 from typing import Optional
 
-__all__ = ["literal", "schema_regex", "json_value_regex", "any_object_regex", "integer_range_regex", "MAX_DEPTH"]
+__all__ = ["literal", "schema_regex", "json_value_regex", "any_object_regex", "integer_range_regex",
+           "number_range_regex", "MAX_DEPTH"]
 
 MAX_DEPTH = 3  # how deep a free-form value (json_object, an object without properties) may nest
 _SEP_ITEM, _SEP_KEY = ", ?", ": ?"
@@ -44,7 +47,7 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id",
 _TAKEN = {
     "string": {"type", "enum", "const", "minLength", "maxLength", "pattern", "format"},
     "integer": {"type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
-    "number": {"type", "enum", "const"},
+    "number": {"type", "enum", "const", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"},
     "boolean": {"type", "enum", "const"},
     "null": {"type", "enum", "const"},
     "array": {"type", "enum", "const", "items", "minItems", "maxItems"},
@@ -138,6 +141,118 @@ def integer_range_regex(lo: Optional[int], hi: Optional[int]) -> str:
     return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
 
 
+# ------------------------------------------------------------------------------------------------------- numbers
+# A bounded number is written without an exponent: an integer part and an optional fraction, compared with the
+# bound digit by digit. A fraction's digits f stand for 0.f (zeros after); each helper returns (a pattern of the
+# non-empty digit strings taken, or None: none; whether the empty string, no fraction, is taken).
+
+def _frac_at_least(d: str, strict: bool) -> tuple:
+    """Digit strings f with 0.f >= 0.d (> when ``strict``); ``d`` without trailing zeros."""
+    if not d:
+        return ("0*[1-9][0-9]*" if strict else "[0-9]+"), not strict
+    c, parts = d[0], []
+    if c < "9":
+        parts.append(_span(chr(ord(c) + 1), "9") + "[0-9]*")
+    tail = _then(c, _frac_at_least(d[1:], strict))
+    return _either(parts + ([tail] if tail else [])), False
+
+
+def _frac_at_most(d: str, strict: bool) -> tuple:
+    """Digit strings f with 0.f <= 0.d (< when ``strict``)."""
+    if not d:
+        return (None, False) if strict else ("0+", True)
+    c, parts = d[0], []
+    if c > "0":
+        parts.append(_span("0", chr(ord(c) - 1)) + "[0-9]*")
+    tail = _then(c, _frac_at_most(d[1:], strict))
+    return _either(parts + ([tail] if tail else [])), True
+
+
+def _frac_between(lo: str, hi: str, strict_lo: bool, strict_hi: bool) -> tuple:
+    """Digit strings f with 0.lo <= 0.f <= 0.hi (each side strict or not); 0.lo <= 0.hi."""
+    if not lo and not hi:
+        return (None, False) if strict_lo or strict_hi else ("0+", True)
+    cl, ch = (lo or "0")[0], (hi or "0")[0]
+    if cl == ch:
+        tail = _then(cl, _frac_between(lo[1:], hi[1:], strict_lo, strict_hi))
+        parts = [tail] if tail else []
+    else:
+        parts = [t for t in (_then(cl, _frac_at_least(lo[1:], strict_lo)),) if t]
+        if ord(ch) - ord(cl) > 1:
+            parts.append(_span(chr(ord(cl) + 1), chr(ord(ch) - 1)) + "[0-9]*")
+        parts += [t for t in (_then(ch, _frac_at_most(hi[1:], strict_hi)),) if t]
+    return _either(parts), not lo and not strict_lo
+
+
+def _then(digit: str, rest: tuple) -> Optional[str]:
+    """``digit`` followed by a string of ``rest`` (pattern, takes empty), or None where there is none."""
+    pattern, empty = rest
+    if pattern is None:
+        return digit if empty else None
+    return digit + (f"(?:{pattern})?" if empty else f"(?:{pattern})")
+
+
+def _either(parts: list) -> Optional[str]:
+    return None if not parts else parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _fraction(rest: tuple) -> Optional[str]:
+    """The text after an integer part: '.' and a fraction of ``rest``, or nothing where it takes the empty string
+    (None: no text at all)."""
+    pattern, empty = rest
+    if pattern is None:
+        return "" if empty else None
+    return rf"(?:\.(?:{pattern}))?" if empty else rf"\.(?:{pattern})"
+
+
+def _split(x) -> tuple:
+    """A non-negative bound as (integer part, fraction digits without trailing zeros), exactly as written."""
+    text = format(decimal.Decimal(repr(x) if isinstance(x, float) else x), "f")
+    whole, _, frac = text.partition(".")
+    return int(whole), frac.rstrip("0")
+
+
+def _unsigned_range(lo, hi, strict_lo: bool, strict_hi: bool) -> Optional[str]:
+    """Decimals y (integer part, optional fraction) with lo <= y <= hi (strict as asked; hi None: unbounded),
+    0 <= lo; None where there is none."""
+    a, fa = _split(lo)
+    if hi is not None:
+        b, fb = _split(hi)
+        if a == b:
+            text = _fraction(_frac_between(fa, fb, strict_lo, strict_hi))
+            return None if text is None else str(a) + text
+    parts = []
+    low = _fraction(_frac_at_least(fa, strict_lo))
+    if low is not None:
+        parts.append(str(a) + low)
+    if hi is None or b - a >= 2:
+        parts.append(_naturals(a + 1, None if hi is None else b - 1) + r"(?:\.[0-9]+)?")
+    if hi is not None:
+        high = _fraction(_frac_at_most(fb, strict_hi))
+        if high is not None:
+            parts.append(str(b) + high)
+    return _either(parts)
+
+
+def number_range_regex(lo=None, hi=None, exclusive_lo: bool = False, exclusive_hi: bool = False) -> str:
+    """JSON numbers x with lo <= x <= hi (``exclusive_*``: < instead; None: unbounded that side), written without an
+    exponent (an integer part, an optional fraction: '2', '0.25', '-3.5'; no '-0'). ValueError where none is."""
+    if lo is not None and hi is not None and (hi < lo or hi == lo and (exclusive_lo or exclusive_hi)):
+        raise ValueError(f"number bounds: no number between {lo} and {hi}")
+    parts = []
+    if hi is None or hi > 0 or hi == 0 and not exclusive_hi:  # x >= 0
+        nonneg = (lo, exclusive_lo) if lo is not None and lo >= 0 else (0, False)
+        parts.append(_unsigned_range(nonneg[0], hi, nonneg[1], exclusive_hi))
+    if lo is None or lo < 0:  # x = -y, y > 0
+        low = (-hi, exclusive_hi) if hi is not None and hi < 0 else (0, True)
+        y = _unsigned_range(low[0], None if lo is None else -lo, low[1], exclusive_lo)
+        parts.append(None if y is None else "-" + (y if y.startswith("(?:") else f"(?:{y})"))
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        raise ValueError(f"number bounds: no number between {lo} and {hi}")
+    return _either(parts)
+
+
 # ------------------------------------------------------------------------------------------------------- schemas
 class _Compiler:
     def __init__(self, root: dict):
@@ -217,7 +332,7 @@ class _Compiler:
         if t == "boolean":
             return "(?:true|false)"
         if t == "number":
-            return NUMBER
+            return self.number(s, where)
         if t == "integer":
             return self.integer(s, where)
         if t == "string":
@@ -242,6 +357,27 @@ class _Compiler:
         if lo is None and hi is None:
             return INTEGER
         return integer_range_regex(lo, hi)
+
+    def number(self, s: dict, where: str) -> str:
+        """Unbounded: any JSON number; bounded: ``number_range_regex`` (no exponent), the tighter of ``minimum`` /
+        ``exclusiveMinimum`` (and of the maxima) where both are given."""
+        bounds = {}
+        for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+            if key in s:
+                x = s[key]
+                if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+                    raise ValueError(f"{where}.{key}: expected a finite number")
+                bounds[key] = x
+        if not bounds:
+            return NUMBER
+        lows = [(bounds[k], k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if k in bounds]
+        highs = [(bounds[k], k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if k in bounds]
+        lo, strict_lo = max(lows, key=lambda b: (b[0], b[1])) if lows else (None, False)
+        hi, strict_hi = min(highs, key=lambda b: (b[0], not b[1])) if highs else (None, False)
+        try:
+            return number_range_regex(lo, hi, strict_lo, strict_hi)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
     def string(self, s: dict, where: str) -> str:
         if "pattern" in s or "format" in s:

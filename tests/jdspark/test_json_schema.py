@@ -5,15 +5,24 @@ automaton against the unminimized one's language and a brute-force count of its 
 builders (row grouping, the vocabulary lift) against slow obvious ones. Host code only: no program is compiled
 here."""
 
+import decimal
 import json
 import random
 import re
+import zlib
 
 import numpy as np
 import pytest
 
 from jdspark.grammar import _row_groups, minimize, regex_automaton, token_fsm
-from jdspark.json_schema import MAX_DEPTH, any_object_regex, integer_range_regex, json_value_regex, schema_regex
+from jdspark.json_schema import (
+    MAX_DEPTH,
+    any_object_regex,
+    integer_range_regex,
+    json_value_regex,
+    number_range_regex,
+    schema_regex,
+)
 
 
 def walk(automaton, text: str) -> bool:
@@ -39,6 +48,42 @@ def test_integer_range_matches_exactly_the_integers_in_it(lo, hi):
         assert not walk(automaton, text) and not re.fullmatch(pattern, text), text
 
 
+def _decimal(x) -> decimal.Decimal:
+    return decimal.Decimal(repr(x) if isinstance(x, float) else x)
+
+
+@pytest.mark.parametrize("lo,hi,strict_lo,strict_hi", [
+    (0, 1, False, False), (0, 1, True, True), (-1.5, 2.25, False, True), (None, -0.05, False, False),
+    (0.1, None, True, False), (3.14, 3.15, False, False), (3.14, 3.14, False, False), (-2.5, -2.25, True, False),
+    (0, 0, False, False), (None, 0, False, True), (-0.001, 0.001, False, False), (10, 100.5, True, False),
+    (1e-3, 2, False, False), (-100, None, False, False), (7, 7.0001, True, True)])
+def test_number_range_matches_exactly_the_numbers_in_it(lo, hi, strict_lo, strict_hi):
+    """Decimal texts near the bounds (a step of 1e-4 and 1e-5 either side, and trailing zeros) and random ones,
+    judged by the automaton and Python's ``re`` against ``decimal.Decimal`` comparisons: taken exactly the numbers
+    in the range written without an exponent; never '-0', '01', '1.', '.5', '+1' or an exponent."""
+    pattern = number_range_regex(lo, hi, strict_lo, strict_hi)
+    automaton = regex_automaton(pattern)
+    rng = random.Random(zlib.crc32(pattern.encode()))
+    texts = {"-0", "-0.0", "01", "1.", ".5", "+1", "1e3", "", "0", "-1"}
+    for _ in range(1500):
+        t = ("-" if rng.random() < 0.4 else "") + str(rng.choice([0, 1, 2, 3, 7, 9, 10, 99, 100, 101,
+                                                                  rng.randint(0, 200)]))
+        if rng.random() < 0.7:
+            t += "." + "".join(rng.choice("0123456789" if rng.random() < 0.7 else "0159")
+                               for _ in range(rng.randint(1, 5)))
+        texts.add(t)
+    for b in (lo, hi):
+        for step in ("0", "0.0001", "-0.0001", "0.00001", "-0.00001", "1", "-1") if b is not None else ():
+            texts |= {format(_decimal(b) + decimal.Decimal(step), "f") + z for z in ("", "0")}
+    for t in texts:
+        x = decimal.Decimal(t) if re.fullmatch(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?", t) else None
+        if x is not None and t.startswith("-") and x == 0:
+            x = None  # negative zero: not written
+        want = x is not None and (lo is None or (x > _decimal(lo) if strict_lo else x >= _decimal(lo))) and (
+            hi is None or (x < _decimal(hi) if strict_hi else x <= _decimal(hi)))
+        assert walk(automaton, t) == want == (re.fullmatch(pattern, t) is not None), (t, pattern)
+
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},
     "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -62,6 +107,12 @@ CASES = [
     ({"type": "string", "pattern": "^[a-c]+x$"}, ["abcx", "ax"], ["x", "abc", "adx"]),
     ({"type": "object"}, [{}, {"k": [1, {"j": None}]}, {"a": "b", "c": 2.5}], [[], {"a": [[[1]]]}]),
     ({"type": "string", "minLength": 2, "maxLength": 3}, ["ab", "\u00e9\u00e9\u00e9", "a\\n"], ["a", "abcd"]),
+    ({"type": "object", "properties": {"t": {"type": "number", "minimum": 0, "maximum": 2},
+                                       "p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1}},
+      "required": ["t"]},
+     [{"t": 0}, {"t": 0.7, "p": 1}, {"t": 2.0, "p": 0.001}, {"t": 1.25}],
+     [{"t": -0.1}, {"t": 2.01}, {"t": 1, "p": 0}, {"t": 1, "p": 1.5}, {"p": 0.5},
+      {"t": 1e-07}]),  # (valid, but a bounded number is written without an exponent)
 ]
 
 
@@ -125,7 +176,9 @@ def test_free_form_object_takes_random_documents_nested_to_its_depth():
 
 @pytest.mark.parametrize("schema,message", [
     ({"type": "integer", "multipleOf": 3}, "['multipleOf'] not taken"),
-    ({"type": "number", "minimum": 0}, "['minimum'] not taken"),
+    ({"type": "number", "multipleOf": 0.5}, "['multipleOf'] not taken"),
+    ({"type": "number", "minimum": 2, "exclusiveMaximum": 2}, "no number between 2 and 2"),
+    ({"type": "number", "maximum": "3"}, "maximum: expected a finite number"),
     ({"type": "array", "uniqueItems": True}, "['uniqueItems'] not taken"),
     ({"not": {"type": "string"}}, "['not'] not taken"),
     ({"type": "string", "format": "email"}, "format: 'email' not taken"),
@@ -265,7 +318,7 @@ def test_generate_script_builds_the_constraint(tmp_path):
         got = gen.constraint(ap, argparse.Namespace(json_schema=js, regex=rx), tok, cfg)
         np.testing.assert_array_equal(got.next_QV, regex_fsm(pattern, tok, tok.vocab_size, (tok.eos_id,)).next_QV)
     assert gen.constraint(ap, argparse.Namespace(json_schema=None, regex=None), tok, cfg) is None
-    for js, rx in (("{}", "a"), ('{"type": "number", "minimum": 1}', None), ("{bad", None)):
+    for js, rx in (("{}", "a"), ('{"type": "number", "multipleOf": 1}', None), ("{bad", None)):
         with pytest.raises(SystemExit):
             gen.constraint(ap, argparse.Namespace(json_schema=js, regex=rx), tok, cfg)
 
