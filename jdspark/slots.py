@@ -45,7 +45,7 @@ import numpy as np
 
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
-from jdspark.graphs import check_map_budget, memory_maps, split_module
+from jdspark.graphs import TYPICAL_SHARE, MapGuard, check_map_budget, memory_maps, split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
@@ -593,15 +593,27 @@ class SlotBackend:
             fn.lower(*args, **kw).compile()
 
         before = memory_maps() if jax.default_backend() == "cpu" else None
-        rest = progs
+        rest, guard = progs, None
         if before is not None and len(progs) > 1:  # price one program (the widest step of the largest batch
-            compile_one(progs[-1])  # bucket, the dearest in maps) before compiling the others: a clear error
-            after = memory_maps()  # instead of an abort in the middle of start-up
+            compile_one(progs[-1])  # bucket) before compiling the others: a clear error instead of an abort in
+            after = memory_maps()  # the middle of start-up (graphs.MapGuard)
             if after is not None:
-                check_map_budget(len(progs) - 1, after[0] - before[0], after[0], after[1])
+                price = after[0] - before[0]
+                check_map_budget(len(progs) - 1, int(TYPICAL_SHARE * price), after[0], after[1])
+                guard = MapGuard(len(progs) - 1, price, read=memory_maps)
             rest = progs[:-1]
+
+        def compile_guarded(prog) -> None:
+            if guard is None:
+                return compile_one(prog)
+            guard.enter()
+            try:
+                compile_one(prog)
+            finally:
+                guard.leave()
+
         with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jdspark-compile") as pool:
-            list(pool.map(compile_one, rest))
+            list(pool.map(compile_guarded, rest))
         return len(progs)
 
     def warm_up(self, reps: int = 5) -> dict:

@@ -9,6 +9,7 @@ tokens. Speculating requests accept partially (1 < accept_len < G + 1); the adap
 import itertools
 import os
 import time
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -452,15 +453,47 @@ def test_compile_all_refuses_programs_past_the_memory_map_limit(backend, monkeyp
     assert next(reads, None) is None  # both reads taken: the price came from a compile
 
 
+def test_compile_all_stops_before_a_compile_that_could_pass_the_limit(backend, monkeypatch):
+    """The start-up estimate prices the programs at TYPICAL_SHARE of the first (a typical figure, not a bound), so
+    a start-up it lets through is still guarded compile by compile (``graphs.MapGuard``): here the estimate fits,
+    then the process's maps grow faster than it said, and the next compile is refused with the same advice
+    before it starts."""
+    from jdspark import slots
+    from jdspark.graphs import LARGEST_SHARE, MAP_HEADROOM, TYPICAL_SHARE, MapBudgetError
+
+    n = len(backend.programs())
+    limit = 2000 + (n - 1) * int(TYPICAL_SHARE * 1000) + MAP_HEADROOM  # the estimate fits exactly
+    reads = iter([(1000, limit), (2000, limit), (limit - MAP_HEADROOM - int(LARGEST_SHARE * 1000) + 1, limit)])
+    monkeypatch.setattr(slots, "memory_maps", lambda: next(reads))
+    compiled = []
+    real = slots.SlotBackend.programs
+
+    def programs(self):  # the first (priced) compile is real; any later one would be recorded
+        progs = real(self)
+        return [(types.SimpleNamespace(lower=lambda *a, **k: compiled.append(1)), (), {})] * (n - 1) + progs[-1:]
+
+    monkeypatch.setattr(slots.SlotBackend, "programs", programs)
+    with pytest.raises(MapBudgetError, match=rf"{n - 1} serving programs are still to compile.*--prompt-buckets"):
+        backend.compile_all(threads=1)
+    assert compiled == [] and next(reads, None) is None
+
+
 def test_the_memory_map_budget():
     """``check_map_budget``: used + remaining x per program against the limit less MAP_HEADROOM; ``memory_maps``
     reads this process's maps and the system's limit (Linux)."""
-    from jdspark.graphs import MAP_HEADROOM, check_map_budget, memory_maps
+    from jdspark.graphs import MAP_HEADROOM, MapBudgetError, MapGuard, check_map_budget, memory_maps
 
     check_map_budget(40, 1000, 3000, 65530)  # the default server's shape: 44 programs
     check_map_budget(0, 1000, 65530 - MAP_HEADROOM, 65530)  # exactly at the budget
     with pytest.raises(RuntimeError, match="about 66530 memory maps"):
         check_map_budget(60, 1000, 6530, 65530)
+    guard = MapGuard(3, 1000, read=lambda: (10_000, 10_000 + MAP_HEADROOM + 2 * 1250))
+    guard.enter()  # one compile priced at 1250: fits
+    guard.enter()  # and a second beside it: 2 x 1250 fits exactly
+    with pytest.raises(MapBudgetError, match="1 serving programs are still to compile, ~850 memory maps"):
+        guard.enter()  # a third at once would not
+    guard.leave()
+    guard.enter()  # one done: room again
     got = memory_maps()
     if os.path.exists("/proc/self/maps"):
         assert got is not None and 0 < got[0] < got[1]
