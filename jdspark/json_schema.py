@@ -9,7 +9,9 @@ turned into a regular expression of ``jdspark.grammar``'s subset, whose automato
 
 Taken: ``type`` (one or a list), ``enum``, ``const``, ``anyOf`` / ``oneOf`` (both as "one of these matches"; a
 document valid under two ``oneOf`` branches is not excluded), ``allOf`` of one schema, ``$ref`` to ``#/$defs/..``
-or ``#/definitions/..`` (not recursive), ``properties`` + ``required`` (other properties are not written: OpenAI's
+or ``#/definitions/..`` or ``#`` (a recursive one expanded ``RECURSION_DEPTH`` times along a path: a document nested
+deeper is not generated, so an optional property or an array item that would recurse further is left out there,
+and a required one leaves that branch out), ``properties`` + ``required`` (other properties are not written: OpenAI's
 strict mode), an object without ``properties`` (any keys, values nested to ``MAX_DEPTH``), ``items``,
 ``minItems`` / ``maxItems``, ``minLength`` / ``maxLength`` / ``pattern`` / ``format`` (date,
 time, date-time, uuid) of strings, ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum`` of
@@ -28,9 +30,10 @@ import re
 from typing import Optional
 
 __all__ = ["literal", "schema_regex", "json_value_regex", "any_object_regex", "integer_range_regex",
-           "number_range_regex", "MAX_DEPTH"]
+           "number_range_regex", "MAX_DEPTH", "RECURSION_DEPTH"]
 
 MAX_DEPTH = 3  # how deep a free-form value (json_object, an object without properties) may nest
+RECURSION_DEPTH = 3  # how many times a recursive $ref is expanded along one path (deeper: the empty language)
 _SEP_ITEM, _SEP_KEY = ", ?", ": ?"
 _CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'  # one character of a JSON string
 STRING = f'"{_CHAR}*"'
@@ -258,7 +261,8 @@ class _Compiler:
     def __init__(self, root: dict):
         self.root, self.open_refs = root, []
 
-    def value(self, s, where: str) -> str:
+    def value(self, s, where: str) -> Optional[str]:
+        """The pattern of ``s``'s documents, or None where none is generated (recursion past RECURSION_DEPTH)."""
         if s is True or s == {}:
             return json_value_regex(MAX_DEPTH)
         if not isinstance(s, dict):
@@ -289,41 +293,45 @@ class _Compiler:
         if isinstance(types, list):
             if not types:
                 raise ValueError(f"{where}.type: an empty list")
-            return "(?:" + "|".join(self.typed({**s, "type": t}, t, where) for t in types) + ")"
+            return _one_of([self.typed({**s, "type": t}, t, where) for t in types])
         return self.typed(s, types, where)
 
     def check(self, s: dict, keys, where: str) -> None:
         if keys:
             raise ValueError(f"{where}: {sorted(keys)} not taken here (constraints are never dropped silently)")
 
-    def ref(self, s: dict, where: str) -> str:
+    def ref(self, s: dict, where: str) -> Optional[str]:
+        """The schema a ``$ref`` names (``#``: the root), or None (the empty language) where that reference is
+        already open RECURSION_DEPTH times along this path."""
         path = s["$ref"]
         self.check(s, set(s) - _ANNOTATIONS - {"$ref"}, where)
+        target = self.root if path == "#" else None
         for prefix in ("#/$defs/", "#/definitions/"):
             if isinstance(path, str) and path.startswith(prefix):
                 defs = self.root.get(prefix[2:-1], {})
-                name = path[len(prefix):]
-                if name not in defs:
+                if path[len(prefix):] not in defs:
                     raise ValueError(f"{where}.$ref: {path!r} is not defined")
-                if path in self.open_refs:
-                    raise ValueError(f"{where}.$ref: {path!r} is recursive (a regular language cannot nest "
-                                     "without bound)")
-                self.open_refs.append(path)
-                try:
-                    return self.value(defs[name], path)
-                finally:
-                    self.open_refs.pop()
-        raise ValueError(f"{where}.$ref: {path!r} not taken (only '#/$defs/NAME' and '#/definitions/NAME')")
+                target = defs[path[len(prefix):]]
+        if target is None:
+            raise ValueError(f"{where}.$ref: {path!r} not taken (only '#', '#/$defs/NAME' and "
+                             "'#/definitions/NAME')")
+        if self.open_refs.count(path) >= RECURSION_DEPTH:
+            return None  # nested as deep as taken: no document goes on here
+        self.open_refs.append(path)
+        try:
+            return self.value(target, path)
+        finally:
+            self.open_refs.pop()
 
-    def alternatives(self, s: dict, key: str, where: str) -> str:
+    def alternatives(self, s: dict, key: str, where: str) -> Optional[str]:
         options = s[key]
         if not isinstance(options, list) or not options:
             raise ValueError(f"{where}.{key}: expected a non-empty list of schemas")
         base = {k: v for k, v in s.items() if k != key and k not in _ANNOTATIONS}
-        return "(?:" + "|".join(self.value({**base, **o} if isinstance(o, dict) else o, f"{where}.{key}[{i}]")
-                                for i, o in enumerate(options)) + ")"
+        return _one_of([self.value({**base, **o} if isinstance(o, dict) else o, f"{where}.{key}[{i}]")
+                        for i, o in enumerate(options)])
 
-    def typed(self, s: dict, t, where: str) -> str:
+    def typed(self, s: dict, t, where: str) -> Optional[str]:
         if t not in _TAKEN:
             raise ValueError(f"{where}.type: {t!r} is not a JSON Schema type")
         self.check(s, set(s) - _ANNOTATIONS - _TAKEN[t], where)
@@ -398,16 +406,18 @@ class _Compiler:
             raise ValueError(f"{where}: maxLength {hi} below minLength {lo}")
         return f'"{_CHAR}{{{lo},{"" if hi is None else hi}}}"'
 
-    def array(self, s: dict, where: str) -> str:
+    def array(self, s: dict, where: str) -> Optional[str]:
         lo, hi = _count(s, "minItems", 0, where), _count(s, "maxItems", None, where)
         item = self.value(s.get("items", True), f"{where}.items") if s.get("items", True) is not False else None
-        if item is None:
+        if item is None:  # items false, or nested past RECURSION_DEPTH: only the empty array
             if lo > 0:
+                if s.get("items", True) is not False:
+                    return None
                 raise ValueError(f"{where}: minItems {lo} with items false")
             return r"\[\]"
         return r"\[" + _repeat(item, lo, hi, _SEP_ITEM) + r"\]"
 
-    def object(self, s: dict, where: str) -> str:
+    def object(self, s: dict, where: str) -> Optional[str]:
         props = s.get("properties")
         if props is None:
             if s.get("additionalProperties", True) not in (True, {}) or "required" in s:
@@ -421,8 +431,16 @@ class _Compiler:
             raise ValueError(f"{where}.required: expected names among 'properties' ({sorted(props)})")
         if not props:
             return r"\{\}"
-        fields = [(f"{literal(json.dumps(k))}{_SEP_KEY}{self.value(v, f'{where}.properties.{k}')}", k in required)
-                  for k, v in props.items()]
+        fields = []
+        for k, v in props.items():
+            text = self.value(v, f"{where}.properties.{k}")
+            if text is None:  # nested past RECURSION_DEPTH: left out where optional, no document where required
+                if k in required:
+                    return None
+                continue
+            fields.append((f"{literal(json.dumps(k))}{_SEP_KEY}{text}", k in required))
+        if not fields:
+            return r"\{\}"
         # the properties in order, each optional one may be absent; a comma before every one but the first present
         alternatives, n = [], len(fields)
         for first in range(n):
@@ -449,4 +467,14 @@ def schema_regex(schema) -> str:
     validates; ValueError names a keyword or form not taken."""
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"a JSON Schema is an object, got {type(schema).__name__}")
-    return _Compiler(schema if isinstance(schema, dict) else {}).value(schema, "schema")
+    pattern = _Compiler(schema if isinstance(schema, dict) else {}).value(schema, "schema")
+    if pattern is None:
+        raise ValueError(f"no document nested at most {RECURSION_DEPTH} deep in its recursive $refs validates "
+                         "under the schema")
+    return pattern
+
+
+def _one_of(patterns: list) -> Optional[str]:
+    """Any one of the patterns (None among them: an empty language, left out; all None: None)."""
+    kept = [p for p in patterns if p is not None]
+    return None if not kept else "(?:" + "|".join(kept) + ")"

@@ -17,6 +17,7 @@ import pytest
 from jdspark.grammar import _row_groups, minimize, regex_automaton, token_fsm
 from jdspark.json_schema import (
     MAX_DEPTH,
+    RECURSION_DEPTH,
     any_object_regex,
     integer_range_regex,
     json_value_regex,
@@ -136,6 +137,38 @@ def test_schema_automaton_takes_the_documents_it_validates(case):
             assert not walk(automaton, json.dumps(doc, indent=2)), doc
 
 
+def _tree(depth: int, width: int = 2) -> dict:
+    node = {"name": f"n{depth}"}
+    if depth > 1:
+        node["children"] = [_tree(depth - 1, width) for _ in range(width)]
+    return node
+
+
+def test_recursive_refs_are_expanded_to_the_recursion_depth():
+    """A recursive $ref is expanded RECURSION_DEPTH times along a path: a tree of nodes (children an array of
+    the same node) is taken up to that many levels, empty children arrays at the last, and not one level deeper;
+    a linked list through '#' (next: the root or null) up to RECURSION_DEPTH + 1 nodes (the root is not a
+    reference); every document taken is valid under the schema."""
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["name"]}}, "$ref": "#/$defs/node"}
+    automaton = regex_automaton(schema_regex(tree))
+    for depth in range(1, RECURSION_DEPTH + 2):
+        for doc in (_tree(depth), _tree(depth, 1)):
+            assert walk(automaton, json.dumps(doc)) == (depth <= RECURSION_DEPTH), (depth, doc)
+    assert walk(automaton, json.dumps({"name": "a", "children": [{"name": "b", "children": [{"name": "c",
+                                                                                           "children": []}]}]}))
+    linked = {"type": "object", "properties": {"v": {"type": "integer"},
+                                               "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+              "required": ["v", "next"]}
+    automaton = regex_automaton(schema_regex(linked))
+    for n in range(1, RECURSION_DEPTH + 3):
+        doc = None
+        for v in range(n):
+            doc = {"v": v, "next": doc}
+        assert walk(automaton, json.dumps(doc)) == (n <= RECURSION_DEPTH + 1), n
+
+
 def _random_value(rng, depth):
     kinds = ["str", "int", "float", "bool", "null"] + (["list", "dict"] * 2 if depth > 0 else [])
     kind = rng.choice(kinds)
@@ -182,9 +215,10 @@ def test_free_form_object_takes_random_documents_nested_to_its_depth():
     ({"type": "array", "uniqueItems": True}, "['uniqueItems'] not taken"),
     ({"not": {"type": "string"}}, "['not'] not taken"),
     ({"type": "string", "format": "email"}, "format: 'email' not taken"),
-    ({"$defs": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "$ref": "#/$defs/n"}, "is recursive"),
+    ({"$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"]}},
+      "$ref": "#/$defs/a"}, "no document nested at most 3 deep"),
     ({"$ref": "#/$defs/missing"}, "is not defined"),
-    ({"$ref": "http://x/s.json"}, "not taken (only '#/$defs/NAME'"),
+    ({"$ref": "http://x/s.json"}, "not taken (only '#', '#/$defs/NAME'"),
     ({"type": "thing"}, "'thing' is not a JSON Schema type"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required: expected names among"),
     ({"type": "integer", "minimum": 5, "maximum": 2}, "maximum 2 below minimum 5"),
