@@ -4,6 +4,7 @@ static, cheaply hashed graph plus a flat tuple of arrays, and the memory maps XL
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Optional
 
@@ -11,7 +12,7 @@ import jax
 from flax import nnx
 
 __all__ = ["StaticGraph", "split_module", "merge_module", "MAP_HEADROOM", "memory_maps", "check_map_budget",
-           "MapBudgetError", "MapGuard", "TYPICAL_SHARE", "LARGEST_SHARE"]
+           "MapBudgetError", "MapGuard", "TYPICAL_SHARE", "LARGEST_SHARE", "COMPILE_CACHE_DIR", "use_compile_cache"]
 
 # ``SlotBackend.compile_all`` on a CPU: memory maps kept free of the serving programs' estimate, for what else the
 # process maps (thread stacks, arrays, sockets, later compiles such as an image grid's vision tower). XLA:CPU maps
@@ -25,6 +26,24 @@ MAP_HEADROOM = 4096
 # then starts only where it and those in flight fit at LARGEST_SHARE (``MapGuard``).
 TYPICAL_SHARE = 0.85
 LARGEST_SHARE = 1.25
+
+
+# Where a server keeps its compiled programs between start-ups (``use_compile_cache``; JAX's persistent cache,
+# keyed by the program, the XLA flags and the versions, so a changed program or jaxlib compiles anew).
+COMPILE_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jdspark", "xla")
+
+
+def use_compile_cache(path: Optional[str]) -> Optional[str]:
+    """Keep compiled programs that took over a second in ``path`` (None or "none": off) and load them from there
+    on the next start-up instead of compiling them again: the same executables, so the same numbers. Call before
+    the first compile. Returns the folder used, or None."""
+    if path is None or path == "none":
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
 
 
 class StaticGraph:

@@ -73,6 +73,7 @@ from jdspark import serve_responses as responses_api
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, QueueFull, combined_usage
 from jdspark.engine import Request as EngineRequest
+from jdspark.graphs import COMPILE_CACHE_DIR, use_compile_cache
 from jdspark.logprobs import MAX_LOGPROBS, prompt_logprobs_object
 from jdspark.prefix import tree_bytes
 from jdspark.serve_media import MediaError
@@ -340,6 +341,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="off: plain decoding for every request; fixed: verify the drafter's whole block; adaptive: "
                          "the default request mode picks each step's verify width (requests may ask 'fixed')")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--compile-cache", default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or COMPILE_CACHE_DIR,
+                    metavar="DIR",
+                    help="keep the compiled serving programs in DIR and load them at the next start-up instead of "
+                         "compiling them again (the same executables; keyed by program, XLA flags and versions); "
+                         "none: off (default: $JAX_COMPILATION_CACHE_DIR or %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
                          "decides: chunks of 1024 above 4096 tokens)")
@@ -438,6 +444,7 @@ def main(argv=None) -> int:
     """``python -m jdspark.serve --checkpoint DIR --slots S --port P``: load the pair, compile every program,
     then serve (``/health`` answers 503 until the compiles are done)."""
     a = parse_args(argv)
+    use_compile_cache(a.compile_cache)
     engine, backend, target, tok, metrics, name = make_engine(a)
     ready = threading.Event()
 

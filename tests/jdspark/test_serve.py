@@ -917,10 +917,12 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
         loop.close()
 
 
-def test_multi_step_and_prefix_flags_reach_the_slots():
+def test_server_flags_reach_the_slots():
     """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default: the
     platform's plan, 4 on a CPU, every bucket on a GPU; 0: every bucket), is checked, and make_engine hands it to
-    the slots; bench_serve passes --server-args only to a server it starts."""
+    the slots, as it does prefix caching and --guided-states (on by default); --compile-cache's default and "none";
+    bench_serve passes --server-args only to a server it starts."""
+    import os
     import sys
 
     from jdspark import serve
@@ -943,6 +945,25 @@ def test_multi_step_and_prefix_flags_reach_the_slots():
     assert [default_pool_rows(b) for b in (1 << 20, PREFIX_POOL_BUDGET_BYTES // 5, 2 * PREFIX_POOL_BUDGET_BYTES)] == [
         32, 5, 1]
     assert backend.prefix_answers  # answers are kept while idle by default
+    assert backend.guided_states == 1024  # constrained decoding compiled in by default; --guided-states 0: out
+    assert serve.make_engine(serve.parse_args([*a_flags, "--guided-states", "0"]))[1].guided_states == 0
+    # compiled programs kept between start-ups: $JAX_COMPILATION_CACHE_DIR or ~/.cache/jdspark/xla; "none": off
+    from jdspark.graphs import COMPILE_CACHE_DIR, use_compile_cache
+
+    env = os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    try:
+        assert serve.parse_args([]).compile_cache == COMPILE_CACHE_DIR
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = "/x/y"
+        assert serve.parse_args([]).compile_cache == "/x/y"
+    finally:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+        if env is not None:
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = env
+    import jax
+
+    kept = jax.config.jax_compilation_cache_dir
+    assert use_compile_cache("none") is None and use_compile_cache(None) is None
+    assert jax.config.jax_compilation_cache_dir == kept
     be = serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "3", "--no-prefix-answers"]))[1]
     assert be.prefix.capacity == 3 and not be.prefix_answers
     from jdspark.engine import SamplingRequest
