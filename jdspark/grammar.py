@@ -64,11 +64,12 @@ def token_classes(next_QV: np.ndarray) -> tuple:
     return np.ascontiguousarray(next_QV[:, first_C]), class_V.astype(np.int32)
 
 
-def _row_groups(M_NK: np.ndarray, chunk: int = 256) -> tuple:
+def _row_groups(M_NK: np.ndarray, chunk: int = 32) -> tuple:
     """Identical rows of an int matrix grouped: (first_G, group_N) with group g's rows those where group_N == g,
     first_G[g] its first row, groups numbered in order of first row. Exact: rows are hashed (a fixed random linear
-    form mod 2^64, ``chunk`` columns at a time so a [V, Q] matrix is never copied whole), every row is compared
-    with its group's first, and on a collision (then ``np.unique`` over whole rows) no two rows are merged."""
+    form mod 2^64, ``chunk`` columns at a time: over K3's 163840 ids 42 MB a chunk, never a copy of the whole
+    table), every row is compared with its group's first, and on a collision (then ``np.unique`` over whole rows)
+    no two rows are merged."""
     N, K = M_NK.shape
     weights_K = np.random.default_rng(0x5EED).integers(1, 2 ** 63, size=K, dtype=np.uint64)
     h_N = np.zeros(N, np.uint64)
