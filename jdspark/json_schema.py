@@ -476,5 +476,4 @@ def schema_regex(schema) -> str:
 
 def _one_of(patterns: list) -> Optional[str]:
     """Any one of the patterns (None among them: an empty language, left out; all None: None)."""
-    kept = [p for p in patterns if p is not None]
-    return None if not kept else "(?:" + "|".join(kept) + ")"
+    return _either([p for p in patterns if p is not None])
