@@ -14,7 +14,7 @@ import os
 import sys
 import sysconfig
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from jdspark import data as jdata
 
@@ -107,11 +107,22 @@ def documents_from_dir(path: str) -> list[bytes]:
     return docs
 
 
-def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
-    """An operator's own prompts, from a JSON Lines file of one request per line: ``{"prompt": "text"}``, encoded as
-    the server's ``/v1/completions`` encodes a text prompt (BOS when the tokenizer has one, then the text's ids), or
-    ``{"prompt": [token ids]}``, sent as given. Blank lines are skipped; any other line that is not such an object
-    is a ValueError naming the line and what was expected (nothing is dropped or cut silently)."""
+class TrafficRequest(NamedTuple):
+    """One line of an operator's request file: the prompt's token ids (a chat's as the server renders it) and the
+    request fields sent with it (``messages`` for a chat, ``response_format``, ``tools``, ``stop``, ...)."""
+    line: int
+    ids: list
+    fields: dict
+
+
+def read_request_file(path: str, tokenizer, vocab_size: int, reserved=()) -> list[TrafficRequest]:
+    """An operator's own traffic, from a JSON Lines file of one request body per line: ``{"prompt": "text"}``,
+    encoded as the server's ``/v1/completions`` encodes a text prompt (BOS when the tokenizer has one, then the
+    text's ids), or ``{"prompt": [token ids]}``, sent as given, or ``{"messages": [...]}``, a chat conversation,
+    counted as ``/v1/chat/completions`` renders it (the chat template, with the line's ``tools``). Any other field
+    of a line is a request field sent with it, except the ``reserved`` ones (those its caller sets). Blank lines
+    are skipped; any other line that is not such an object is a ValueError naming the line and what was expected
+    (nothing is dropped or cut silently)."""
     import json
 
     try:
@@ -127,20 +138,57 @@ def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg}); expected {{\"prompt\": \"text\"}} or "
-                             f"{{\"prompt\": [token ids]}}") from None
-        p = row.get("prompt") if isinstance(row, dict) else None
-        if isinstance(p, str) and p:
-            ids = tokenizer.encode(p, bos=tokenizer.bos_id is not None)
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            bad = [t for t in p if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"{where}: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-            ids = list(p)
+            raise ValueError(f"{where}: not JSON ({e.msg}); expected {{\"prompt\": \"text\"}}, "
+                             f"{{\"prompt\": [token ids]}} or {{\"messages\": [...]}}") from None
+        if not isinstance(row, dict) or ("prompt" in row) == ("messages" in row):
+            raise ValueError(f"{where}: expected an object with one of \"prompt\" (a non-empty string or list of "
+                             f"token ids) or \"messages\" (a chat), got {line[:80]!r}")
+        taken = sorted(set(row) & set(reserved))
+        if taken:
+            raise ValueError(f"{where}: {taken[0]!r} is set by the benchmark itself (its flags), not by a line; "
+                             f"a line may not set {sorted(reserved)}")
+        fields = {k: v for k, v in row.items() if k != "prompt"}
+        if "messages" in row:
+            ids = _chat_ids(row, tokenizer, vocab_size, where)
         else:
-            raise ValueError(f"{where}: expected an object with \"prompt\": a non-empty string or list of token "
-                             f"ids, got {line[:80]!r}")
-        out.append(ids)
+            p = row["prompt"]
+            if isinstance(p, str) and p:
+                ids = tokenizer.encode(p, bos=tokenizer.bos_id is not None)
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                bad = [t for t in p if not 0 <= t < vocab_size]
+                if bad:
+                    raise ValueError(f"{where}: token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+                ids = list(p)
+            else:
+                raise ValueError(f"{where}: expected an object with \"prompt\": a non-empty string or list of token "
+                                 f"ids, got {line[:80]!r}")
+        out.append(TrafficRequest(i, ids, fields))
     if not out:
         raise ValueError(f"--prompt-file {path}: no prompts (expected one JSON object per line)")
     return out
+
+
+def _chat_ids(row: dict, tokenizer, vocab_size: int, where: str) -> list:
+    """A chat line's prompt ids as the server renders them (``serve_request.prompt_ids``: the chat template, the
+    line's ``tools`` and rendering options; images are not taken here), or a ValueError saying why not."""
+    from jdspark import serve_request, tool_calls
+    from jdspark.serve_errors import ApiError
+
+    try:
+        ids, *_ = serve_request.prompt_ids(row, tokenizer, vocab_size, True, None, tool_calls.PARSERS[0], None)
+    except ApiError as e:
+        raise ValueError(f"{where}: {e.message}") from None
+    return list(ids)
+
+
+def read_prompt_file(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
+    """An operator's own prompts (``read_request_file``'s ``prompt`` lines) for a benchmark that measures a prompt
+    alone (``scripts/bench.py``): a line with any other field (a chat, ``response_format``, ...) is a ValueError
+    naming it rather than a request measured without what it asked for."""
+    reqs = read_request_file(path, tokenizer, vocab_size)
+    for r in reqs:
+        if r.fields:
+            raise ValueError(f"--prompt-file {path}, line {r.line}: {sorted(r.fields)[0]!r} is a request field, "
+                             "which this benchmark does not send (it generates from the prompt alone; "
+                             "scripts/bench_serve.py sends a line's fields to the server)")
+    return [r.ids for r in reqs]

@@ -5,6 +5,8 @@
   python scripts/bench_serve.py --in-process --json --concurrency 1,16   # the same engine, no HTTP: HTTP's cost
   python scripts/bench_serve.py --launch --json --workload prose         # or --corpus DIR, as scripts/bench.py
   python scripts/bench_serve.py --launch --json --prompt-file mine.jsonl # your own traffic: {"prompt": ...} lines
+  python scripts/bench_serve.py --launch --json --request-fields '{"response_format": {"type": "json_object"},
+      "ignore_eos": false}'                                             # constrained output's acceptance under load
   python scripts/bench_serve.py --launch --json --turns 4                # conversations (prefix caching's traffic)
 
 Each cell runs ``--requests`` streamed completions of the prompts (held-out code by default; ``load_prompts``; the
@@ -29,6 +31,14 @@ to it directly: its cells against ``--launch``'s are what the HTTP layer (and it
 its answer + a ``--message-len`` excerpt of held-out code, sent ``--think-ms`` after the answer), as chat clients
 and coding agents send them; cells add ``ttft_ms_p50_by_turn`` and ``cached_share`` (prompt tokens the server's
 prefix cache served, from ``usage``).
+Request fields: a ``--prompt-file`` line may carry any request field beside its prompt (``response_format``,
+``stop``, ``top_k``, ...) or be a chat (``{"messages": [...], "tools": [...], ...}``, streamed from
+``/v1/chat/completions``; its TTFT and ITL time every chunk that carries output: text, reasoning or a tool call), and
+``--request-fields JSON`` adds fields to every request; the fields a cell sets itself (``RESERVED_FIELDS``) are
+refused. A line's ``ignore_eos`` and ``top_p`` win over the cell's (constrained output ends with EOS, so it needs
+``"ignore_eos": false``; its completions then vary in length: tokens are counted from ``usage``, and a cell reports
+its ``completion_tokens``). Every distinct request body is sent once before the first cell, so a body the server
+refuses stops the run there, naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import shlex
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -79,24 +90,47 @@ def scrape_costs(text: str, concurrency: int) -> dict:
     return {str(w): ms for (b, w), ms in sorted(table.items()) if buckets and b == buckets[0]}
 
 
+def _output_of(choice: dict, chat: bool):
+    """The output a streamed chunk's choice carries (its text; a chat delta's content, reasoning or tool-call
+    arguments), or None for a chunk with none (a role, a finish reason): what TTFT and ITL time."""
+    if not chat:
+        return choice.get("text") or None
+    d = choice.get("delta") or {}
+    calls = "".join((f.get("name") or "") + (f.get("arguments") or "")
+                    for f in ((t.get("function") or {}) for t in d.get("tool_calls") or []))
+    return d.get("content") or d.get("reasoning_content") or calls or None
+
+
 class HttpClient:
-    """A running server: streamed completions over HTTP, ``/metrics`` over HTTP."""
+    """A running server: streamed completions over HTTP, ``/metrics`` over HTTP, through one pool of kept-alive
+    connections shared by the cell's client threads, as the ``openai`` client and vLLM's load test hold theirs (a
+    new ``httpx`` client per request built an SSL context each time: ~22 ms of this CPU's time added to every
+    request's TTFT, on the cores the server runs on)."""
 
-    def __init__(self, url: str):
-        self.url = url
-
-    def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
-        """A streamed completion: arrival-relative times of every content chunk and the usage."""
+    def __init__(self, url: str, max_connections: int = 64):
         import httpx
 
-        body = {"prompt": list(map(int, prompt_ids)), "max_tokens": max_tokens, "temperature": temperature,
-                "top_p": 1.0, "seed": seed, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, "speculative": mode != "off"}
+        self.url = url
+        self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=max_connections,
+                                                                   max_keepalive_connections=max_connections))
+
+    def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str,
+                fields: Optional[dict] = None) -> dict:
+        """A streamed completion of ``prompt_ids`` (or, when ``fields`` carries ``messages``, a streamed chat
+        completion of them) with ``fields`` sent beside the cell's own settings (a line of ``--prompt-file``,
+        ``--request-fields``; theirs win for ``top_p`` and ``ignore_eos``): arrival-relative times of every chunk
+        that carries output (text, reasoning or a tool call's arguments) and the usage."""
+        fields = dict(fields or {})
+        chat = "messages" in fields
+        body = {**({} if chat else {"prompt": list(map(int, prompt_ids))}), "max_tokens": max_tokens,
+                "temperature": temperature, "top_p": 1.0, "seed": seed, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}, "speculative": mode != "off", **fields}
         if mode != "off":
             body["spec_mode"] = mode
         t0 = time.perf_counter()
-        chunks, usage, text = [], None, []
-        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=600) as r:
+        chunks, usage, text, finish = [], None, [], None
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        with self.http.stream("POST", self.url + path, json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
             for line in r.iter_lines():
@@ -105,22 +139,22 @@ class HttpClient:
                 c = json.loads(line[6:])
                 if c.get("usage"):
                     usage = c["usage"]
-                if c["choices"] and c["choices"][0].get("text"):
+                piece = _output_of(c["choices"][0], chat) if c.get("choices") else None
+                finish = (c["choices"][0].get("finish_reason") if c.get("choices") else None) or finish
+                if piece is not None:
                     chunks.append(time.perf_counter() - t0)
-                    text.append(c["choices"][0]["text"])
+                    text.append(piece)
         e2e = time.perf_counter() - t0
         if usage is None:
             raise RuntimeError("the stream ended without usage")
         return {"chunks": chunks, "e2e": e2e, "tokens": usage["completion_tokens"], "text": "".join(text),
-                "cached": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)}
+                "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), "finish": finish}
 
     def metrics_text(self) -> str:
-        import httpx
-
-        return httpx.get(self.url + "/metrics", timeout=30).text
+        return self.http.get(self.url + "/metrics", timeout=30).text
 
     def close(self) -> None:
-        pass  # the server's lifetime is its launcher's
+        self.http.close()  # (the server's lifetime is its launcher's)
 
 
 class EngineClient:
@@ -140,11 +174,15 @@ class EngineClient:
         backend.warm_up()
         return cls(engine.start(), metrics)
 
-    def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str) -> dict:
+    def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str,
+                fields: Optional[dict] = None) -> dict:
         import threading
 
         from jdspark.engine import Request, SamplingRequest
 
+        if fields:
+            raise ValueError(f"--in-process sends token ids only; request fields {sorted(fields)} need the server "
+                             "(--launch or --url)")
         done, chunks, usage, text = threading.Event(), [], {}, []
         t0 = time.perf_counter()
 
@@ -153,7 +191,7 @@ class EngineClient:
                 chunks.append(time.perf_counter() - t0)
                 text.append(ev.text)
             if ev.finish_reason is not None:
-                usage.update(ev.usage or {}, error=ev.error)
+                usage.update(ev.usage or {}, error=ev.error, finish=ev.finish_reason)
                 done.set()
 
         sp = SamplingRequest(tuple(map(int, prompt_ids)), int(max_tokens), float(temperature), 1.0, 0, int(seed),
@@ -164,7 +202,8 @@ class EngineClient:
         if usage.get("error") or "completion_tokens" not in usage:
             raise RuntimeError(f"an in-process request failed: {usage}")
         return {"chunks": chunks, "e2e": time.perf_counter() - t0, "tokens": usage["completion_tokens"],
-                "text": "".join(text), "cached": usage["prompt_tokens_details"]["cached_tokens"]}
+                "text": "".join(text), "cached": usage["prompt_tokens_details"]["cached_tokens"],
+                "finish": usage["finish"]}
 
     def metrics_text(self) -> str:
         return self.metrics.exposition().decode()
@@ -235,17 +274,19 @@ def conversation(client, prompt, messages, encode, max_tokens: int, temperature:
 
 
 def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, max_tokens: int,
-             requests: int, messages=None, encode=None, think_s: float = 0.0) -> dict:
+             requests: int, messages=None, encode=None, think_s: float = 0.0, fields=None) -> dict:
     """One cell through ``client`` (``HttpClient`` or ``EngineClient``). With ``messages`` (a list of turns' new
     messages, token ids) each of the ``requests`` is a conversation of len(messages) + 1 turns (``conversation``;
     ``encode``: text -> token ids, no BOS) and the cell adds each turn's TTFT p50 and the share of prompt tokens the
-    server's prefix cache served (``usage.prompt_tokens_details.cached_tokens``)."""
+    server's prefix cache served (``usage.prompt_tokens_details.cached_tokens``). ``fields``: per prompt, the request
+    fields sent with it (``load_prompts``)."""
     before = scrape(client.metrics_text())
     t0 = time.perf_counter()
 
     def one(i):
         if messages is None:
-            return [client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i, mode)]
+            return [client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i, mode,
+                                   fields[i % len(prompts)] if fields else None)]
         return conversation(client, prompts[i % len(prompts)], messages, encode, max_tokens, temperature,
                             1000 + i, mode, think_s)
 
@@ -256,6 +297,7 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
     after = scrape(metrics_after)
     d = {k: after[k] - before[k] for k in after}
     tokens = sum(r["tokens"] for r in res)
+    reasons = [str(r["finish"]) for r in res]  # "length" under ignore_eos; "stop" where EOS ended a constrained one
     ttft = [r["chunks"][0] for r in res if r["chunks"]]
     tpot = [(r["e2e"] - r["chunks"][0]) / (r["tokens"] - 1) for r in res if r["chunks"] and r["tokens"] > 1]
     itl = []
@@ -273,7 +315,9 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
                                                       for t in range(n)],
                  "cached_share": sum(r["cached"] for r in res) / sum(r["prompt_tokens"] for r in res)}
     return {"mode": mode, "concurrency": concurrency, "temperature": temperature, "requests": requests,
-            **turns, "max_tokens": max_tokens, "output_tok_s": tokens / wall,
+            **turns, "max_tokens": max_tokens, "completion_tokens": tokens,
+            "finish_reasons": {f: reasons.count(f) for f in sorted(set(reasons))},
+            "output_tok_s": tokens / wall,
             "per_user_tok_s": float(np.mean([r["tokens"] / r["e2e"] for r in res])),
             "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
             "accept_len": 1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0,
@@ -317,13 +361,35 @@ def plot(cells, path: str) -> None:
     os.replace(tmp, path)
 
 
+RESERVED_FIELDS = ("prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "seed", "stream",
+                   "stream_options", "speculative", "spec_mode", "n", "best_of", "echo")  # what a cell sets itself
+
+
+def request_fields(text: str) -> dict:
+    """``--request-fields``: a JSON object of request fields sent with every request (as a ``--prompt-file`` line's
+    own fields are), or a ValueError naming what is wrong."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--request-fields: not JSON ({e.msg}); expected an object such as "
+                         "'{\"response_format\": {\"type\": \"json_object\"}, \"ignore_eos\": false}'") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--request-fields: expected a JSON object of request fields, got {text[:80]!r}")
+    taken = sorted(set(fields) & set(RESERVED_FIELDS))
+    if taken:
+        raise ValueError(f"--request-fields: {taken[0]!r} is set by the benchmark itself (its flags and prompts); "
+                         f"not one of {list(RESERVED_FIELDS)}")
+    return fields
+
+
 def load_prompts(checkpoint: str, n: int, prompt_len: int, workload: str = "code", corpus=None,
                  prompt_file=None) -> tuple:
     """The cells' prompts (token ids) and where they came from: ``n`` prompts of ``prompt_len`` tokens cut at line
     starts from a workload's documents (code: the held-out split, never trained on; structured, prose: text
     installed on the machine; ``jdspark.workloads``) or from every text file under ``corpus``, exactly as
-    ``scripts/bench.py`` cuts them; or every prompt of an operator's ``prompt_file`` (``workloads.read_prompt_file``:
-    JSON Lines of ``{"prompt": ...}``), as long as each is. Returns (prompts, source)."""
+    ``scripts/bench.py`` cuts them; or every request of an operator's ``prompt_file``
+    (``workloads.read_request_file``: JSON Lines of ``{"prompt": ...}`` or ``{"messages": [...]}`` with any other
+    request fields), as long as each is. Returns (prompts, source, fields: per prompt the fields sent with it)."""
     import generate as gen
 
     import kimi
@@ -333,12 +399,16 @@ def load_prompts(checkpoint: str, n: int, prompt_len: int, workload: str = "code
     cfg = kimi.KimiConfig.from_hf_config(os.path.join(checkpoint, "target"))
     tok = gen.load_tokenizer(checkpoint, cfg)
     if prompt_file is not None:
-        prompts = workloads.read_prompt_file(prompt_file, tok, cfg.vocab_size)
-        return prompts, {"prompt_file": prompt_file, "prompts": len(prompts), "prompt_len_max": max(map(len, prompts))}
+        reqs = workloads.read_request_file(prompt_file, tok, cfg.vocab_size,
+                                           reserved=[f for f in RESERVED_FIELDS if f not in ("prompt", "messages")])
+        prompts = [r.ids for r in reqs]
+        return prompts, {"prompt_file": prompt_file, "prompts": len(prompts),
+                         "prompt_len_max": max(map(len, prompts)),
+                         "chat": sum("messages" in r.fields for r in reqs)}, [r.fields for r in reqs]
     docs = workloads.documents_from_dir(corpus) if corpus is not None else workloads.documents(workload)
     prompts = [p.tolist() for p in jdata.prompts_from_documents(docs, n, prompt_len, tokenizer=tok)]
     return prompts, {("corpus" if corpus is not None else "workload"): corpus or workload, "prompts": len(prompts),
-                     "prompt_len": prompt_len}
+                     "prompt_len": prompt_len}, [{} for _ in prompts]
 
 
 def load_encoder(checkpoint: str):
@@ -416,6 +486,10 @@ def main(argv=None) -> int:
     src.add_argument("--corpus", metavar="DIR", help="cut the prompts from every text file under DIR instead")
     src.add_argument("--prompt-file", metavar="PATH", help="your own traffic: JSON Lines, one {\"prompt\": "
                      "\"text\" or [token ids]} per line, every line sent (--prompts and --prompt-len unused)")
+    ap.add_argument("--request-fields", metavar="JSON", default=None,
+                    help="request fields sent with every request, as a JSON object (a --prompt-file line's own win), "
+                         "e.g. '{\"response_format\": {\"type\": \"json_object\"}, \"ignore_eos\": false}': "
+                         "constrained output's acceptance under load")
     ap.add_argument("--turns", type=int, default=1,
                     help="conversations: each request becomes N turns, turn t's prompt turn t - 1's + its answer + "
                          "a --message-len message (held-out code), as chat clients and coding agents send them; "
@@ -447,9 +521,20 @@ def main(argv=None) -> int:
         ap.error("--server-args: only with --launch or --in-process (a running server has its flags)")
     temps = [float(t) for t in a.temperatures.split(",")]
     try:
-        prompts, source = load_prompts(a.checkpoint, a.prompts, a.prompt_len, a.workload, a.corpus, a.prompt_file)
+        common = request_fields(a.request_fields) if a.request_fields is not None else {}
+        prompts, source, fields = load_prompts(a.checkpoint, a.prompts, a.prompt_len, a.workload, a.corpus,
+                                               a.prompt_file)
     except ValueError as e:
         ap.error(str(e))
+    fields = [{**common, **f} for f in fields]
+    if any(fields) and a.in_process:
+        ap.error("request fields (--request-fields, a --prompt-file line's fields) are sent over HTTP: use --launch "
+                 "or --url, not --in-process")
+    if any(fields) and a.turns > 1:
+        ap.error("--turns > 1 continues token-id prompts: not with request fields (--request-fields, a "
+                 "--prompt-file line's fields)")
+    if common:
+        source["request_fields"] = common
     messages = encode = None
     if a.turns > 1:
         msgs, _ = load_prompts(a.checkpoint, a.turns - 1, a.message_len + 1, "code")
@@ -467,14 +552,23 @@ def main(argv=None) -> int:
         client = HttpClient(a.url)
     cells = []
     try:
-        client.request(prompts[0], 8, 0.0, 0, modes[0])  # warm the path end to end
+        seen = set()
+        for i, f in enumerate(fields):  # warm the path end to end, then every distinct body once: a request the
+            key = json.dumps(f, sort_keys=True)  # server refuses fails here, not in the middle of a run
+            if key not in seen:
+                seen.add(key)
+                try:
+                    client.request(prompts[i], 8 if i == 0 else 2, 0.0, 0, modes[0], f)
+                except RuntimeError as e:
+                    raise SystemExit(f"bench_serve: the server refused request {i + 1} of {len(prompts)} "
+                                     f"({key[:120]}): {e}") from None
         for temp in temps:
             for c in conc:
                 rounds = {m: [] for m in modes}
                 for r in range(a.rounds):  # the modes of one concurrency side by side, round after round,
                     for mode in (modes if r % 2 == 0 else modes[::-1]):  # in turn forward and backward (ABBA)
                         cell = run_cell(client, prompts, mode, c, temp, a.max_tokens, a.requests or max(8, 2 * c),
-                                        messages, encode, a.think_ms / 1e3)
+                                        messages, encode, a.think_ms / 1e3, fields)
                         rounds[mode].append(cell)
                         print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "
                               f"tok/s total, {cell['per_user_tok_s']:6.1f} per user, accept_len "

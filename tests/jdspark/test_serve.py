@@ -774,6 +774,7 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
              for mode in ("off", "fixed") for c in (1, 4)]
     for cell in cells:
         assert cell["output_tok_s"] > 0 and cell["per_user_tok_s"] > 0 and cell["requests"] == 4
+        assert cell["finish_reasons"] == {"length": 4} and cell["completion_tokens"] == 4 * 9
         assert cell["ttft_ms"]["p50"] is not None and cell["tpot_ms"]["p99"] >= cell["tpot_ms"]["p50"]
         assert cell["accept_len"] == pytest.approx(1 + 2 / 1)  # the scripted backend: 2 of 4 accepted per step
         assert cell["verified_per_slot_step"] == pytest.approx(5.0)
@@ -788,6 +789,18 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
                                     encode=lambda text: enc(text, bos=False))
         assert cell["turns"] == 3 and len(cell["ttft_ms_p50_by_turn"]) == 3 and cell["requests"] == 2
         assert cell["cached_share"] == pytest.approx((1 + 6 + 11) / (2 + 13 + 23))  # prompts of 2, 13, 23 tokens
+    # request fields (a --prompt-file line's, --request-fields): sent with the cell's own settings, a chat line to
+    # /v1/chat/completions; the in-process client refuses them rather than dropping them
+    before = len(soak_srv.backend.requests)
+    fields = [{"messages": [{"role": "user", "content": "hi there"}], "top_k": 5}, {"top_k": 7}, {}, {}]
+    cell = bench_serve.run_cell(clients[0], prompts, "fixed", 2, 1.0, 9, 4, fields=fields)
+    assert cell["completion_tokens"] == 4 * 9 and cell["ttft_ms"]["p50"] is not None
+    assert cell["finish_reasons"] == {"length": 4}
+    sent = sorted(soak_srv.backend.requests[before:], key=lambda r: r.seed)
+    assert [r.top_k for r in sent] == [5, 7, 0, 0] and [r.temperature for r in sent] == [1.0] * 4
+    assert b"hi there" in bytes(t for t in sent[0].prompt_ids if t < 256) and sent[1].prompt_ids == tuple(prompts[1])
+    with pytest.raises(ValueError, match=r"--in-process sends token ids only; request fields \['top_k'\]"):
+        clients[1].request(prompts[0], 9, 0.0, 0, "fixed", {"top_k": 7})
     med = bench_serve.median_cell([dict(cells[0], output_tok_s=v, tag=i) for i, v in enumerate((3.0, 1.0, 2.0, 9.0))])
     assert med["tag"] == 2 and med["rounds"] == 4 and med["output_tok_s_rounds"] == [3.0, 1.0, 2.0, 9.0]
     bench_serve.plot(cells, str(tmp_path / "serve.png"))
@@ -854,21 +867,39 @@ def test_bench_serve_prompt_sources(tmp_path, capsys):
 
     ck = "checkpoints/default"
     tok = gen.load_tokenizer(ck, kimi.KimiConfig.from_hf_config(ck + "/target"))
-    code, src = bench_serve.load_prompts(ck, 3, 48)
+    code, src, none = bench_serve.load_prompts(ck, 3, 48)
     assert code == [p.tolist() for p in jdata.heldout_prompts(3, 48, tokenizer=tok)]
-    assert src == {"workload": "code", "prompts": 3, "prompt_len": 48}
-    prose, src = bench_serve.load_prompts(ck, 2, 40, workload="prose")
+    assert src == {"workload": "code", "prompts": 3, "prompt_len": 48} and none == [{}, {}, {}]
+    prose, src, _ = bench_serve.load_prompts(ck, 2, 40, workload="prose")
     assert [p.tolist() for p in jdata.prompts_from_documents(workloads.documents("prose"), 2, 40,
                                                                tokenizer=tok)] == prose != code[:2]
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("".join(f"line {i} of a small corpus\n" for i in range(200)))
-    cut, src = bench_serve.load_prompts(ck, 2, 16, corpus=str(tmp_path / "docs"))
+    cut, src, _ = bench_serve.load_prompts(ck, 2, 16, corpus=str(tmp_path / "docs"))
     assert src["corpus"] == str(tmp_path / "docs") and all(len(p) == 16 for p in cut)
     f = tmp_path / "mine.jsonl"
     f.write_text('{"prompt": "def f(x):"}\n{"prompt": [7, 8, 9, 10]}\n')
-    mine, src = bench_serve.load_prompts(ck, 16, 128, prompt_file=str(f))
-    assert mine == [tok.encode("def f(x):", bos=True), [7, 8, 9, 10]]
-    assert src == {"prompt_file": str(f), "prompts": 2, "prompt_len_max": max(map(len, mine))}
+    mine, src, fields = bench_serve.load_prompts(ck, 16, 128, prompt_file=str(f))
+    assert mine == [tok.encode("def f(x):", bos=True), [7, 8, 9, 10]] and fields == [{}, {}]
+    assert src == {"prompt_file": str(f), "prompts": 2, "prompt_len_max": max(map(len, mine)), "chat": 0}
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}], "tool_choice": "none"}\n'
+                 '{"prompt": "x", "response_format": {"type": "json_object"}, "ignore_eos": false}\n')
+    mine, src, fields = bench_serve.load_prompts(ck, 16, 128, prompt_file=str(f))
+    assert src["chat"] == 1 and fields[1] == {"response_format": {"type": "json_object"}, "ignore_eos": False}
+    assert "hi" in tok.decode(mine[0]) and fields[0]["tool_choice"] == "none"
+    for bad, say in (('{"prompt": "x", "temperature": 0.5}', "line 1: 'temperature' is set by the benchmark"),
+                     ('{"prompt": "x", "stream": false}', "line 1: 'stream' is set by the benchmark")):
+        f.write_text(bad + "\n")
+        with pytest.raises(SystemExit):
+            bench_serve.main(["--in-process", "--prompt-file", str(f), "--concurrency", "1"])
+        assert say in capsys.readouterr().err
+    for flag, say in (('{"seed": 1}', "--request-fields: 'seed' is set by the benchmark itself"),
+                      ("[1]", "--request-fields: expected a JSON object"), ("{x", "--request-fields: not JSON"),
+                      ('{"top_k": 4}', "request fields (--request-fields, a --prompt-file line's fields) are sent "
+                                       "over HTTP")):
+        with pytest.raises(SystemExit):  # each before any engine is built
+            bench_serve.main(["--in-process", "--request-fields", flag, "--prompts", "2", "--prompt-len", "16"])
+        assert say in capsys.readouterr().err
     f.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     with pytest.raises(SystemExit):  # before any engine is built
         bench_serve.main(["--in-process", "--prompt-file", str(f), "--concurrency", "1"])
