@@ -3,6 +3,7 @@
   python scripts/bench_profile.py --json                      # DSpark, greedy, a held-out code prompt
   python scripts/bench_profile.py --temperature 1 --json      # sampled (top-p 0.95)
   python scripts/bench_profile.py --plain --json              # plain decoding
+  python scripts/bench_profile.py --slots 1 --plain --json    # the server's step instead (jdspark.slots, batch 1)
 
 The generation is compiled and run once, then run again under ``jax.profiler``. Every op the device ran is read from
 the trace with its own time (its duration less that of the ops nested in it: a while loop's body, a cond's branch) and
@@ -12,8 +13,12 @@ rest (the prefill, the loop itself) is ``other``; a worker thread's waits for th
 target's passes (verify, decode) ``part_ms_per_step`` splits the time by the model's own scopes (``kimi.model``
 names them: kda, mla, moe, dense, attn_res, lm_head; ``rest``: embedding, cache stacking). The op names
 come from the compiled program's HLO, dumped for this run (``--xla_dump_to``; set before JAX starts). Per-step figures
-divide by the generation's target steps. The trace includes the threads' waits, so read the phases' shares; and on a
-shared machine compare the phases of one run, not runs. On a GPU the ops are read from the device's "XLA Ops" line
+divide by the generation's target steps. ``--slots B`` profiles the serving engine's step instead
+(``jdspark.slots.SlotBackend``: B rows of one request each, ``--steps-per-launch`` steps a launch, ``--launches``
+launches, at the drafter's whole block or, with ``--plain``, rows that never draft): the same phases, and
+``other`` is then what the slots add around them (the rows' gather and scatter, the batch's flags, the scan).
+The trace includes the threads' waits, so read the phases' shares; and on a shared machine compare the phases of
+one run, not runs. On a GPU the ops are read from the device's "XLA Ops" line
 (``trace_lines``), and ``wall_ms`` against ``busy_ms`` (the time any op ran) says how much of a step the device
 waits on the host.
 """
@@ -46,8 +51,10 @@ def op_names(hlo_text: str) -> dict:
 
 
 def _innermost(op_name: str, scopes: tuple, default: str) -> str:
-    """The innermost of ``scopes`` in an op's scope path (a whole path part, not a substring), else ``default``."""
-    return next((p for p in reversed(op_name.split("/")) if p in scopes), default)
+    """The innermost of ``scopes`` in an op's scope path (a whole path part, not a substring; ``vmap(decode)``, a
+    scope traced under ``jax.vmap`` as the serving slots trace theirs, is ``decode``), else ``default``."""
+    parts = (p[5:-1] if p.startswith("vmap(") and p.endswith(")") else p for p in reversed(op_name.split("/")))
+    return next((p for p in parts if p in scopes), default)
 
 
 def phase_of(op_name: str) -> str:
@@ -115,6 +122,38 @@ def busy_ns(lines) -> int:
     return total
 
 
+def _slot_runner(target, drafter, prompt, a):
+    """A callable that runs ``a.launches`` launches of the serving slots' step (``SlotBackend``, ``a.slots`` rows of
+    ``prompt``, inserted afresh each call so every call runs the same steps) and returns (steps a row ran, tokens
+    committed per row, tokens per step)."""
+    import jax
+
+    from jdspark.engine import SamplingRequest
+    from jdspark.slots import SlotBackend
+
+    K, G = a.steps_per_launch, drafter.config.block_size
+    W = 1 if a.plain else G + 1
+    steps = a.launches * K
+    need = len(prompt) + (steps + 1) * W + G + 2
+    be = SlotBackend(target, drafter, num_slots=16, max_len=-(-need // 64) * 64, prompt_buckets=(len(prompt),),
+                     multi_step=K, multi_step_max_batch=16)
+    rows = list(range(a.slots))
+    top_p = a.top_p if a.temperature > 0 else 1.0
+
+    def run():
+        for s in rows:
+            be.insert(s, SamplingRequest(tuple(int(t) for t in prompt), steps * W + 1, temperature=a.temperature,
+                                         top_p=top_p, seed=a.prompt + s, speculative=not a.plain))
+        committed = 0
+        for _ in range(a.launches):
+            outs = be.collect(be.launch(rows, W, steps=K))
+            committed += sum(len(o.tokens) for o in outs[rows[0]])
+        jax.block_until_ready(be.state)
+        return steps, committed, committed / steps
+
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
@@ -125,13 +164,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=0, help="which held-out code prompt (seed 0's order)")
     ap.add_argument("--top-ops", type=int, default=12, help="ops listed, by self time")
+    ap.add_argument("--slots", type=int, default=None, metavar="B",
+                    help="profile the serving slots' step at batch B instead of batch-1 generate")
+    ap.add_argument("--steps-per-launch", type=int, default=4, help="with --slots")
+    ap.add_argument("--launches", type=int, default=8, help="with --slots: launches traced")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 2 or a.prompt < 0:
         ap.error("--temperature >= 0, --top-p in (0, 1], --max-new-tokens >= 2 and --prompt >= 0 expected")
+    if a.slots is not None and not (1 <= a.slots <= 16 and a.steps_per_launch >= 1 and a.launches >= 1):
+        ap.error("--slots in 1..16, --steps-per-launch >= 1 and --launches >= 1 expected")
+    program = "step_rows" if a.slots is not None else "generate_program"
     dump = tempfile.mkdtemp(prefix="jdspark_hlo_")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                               " --xla_dump_hlo_module_re=.*generate_program.*")
+                               f" --xla_dump_hlo_module_re=.*{program}.*")
     import generate as gen  # after XLA_FLAGS: JAX reads them when its backend starts
     import jax
     import numpy as np
@@ -148,17 +194,24 @@ def main(argv=None) -> int:
     kw = dict(max_new_tokens=a.max_new_tokens, eos_token_id=-1, temperature=a.temperature,
               top_p=a.top_p if a.temperature > 0 else 1.0, seed=a.prompt)
     prompt = np.asarray(prompts[a.prompt])
-    jdspark.generate(target, d, prompt, **kw)  # compile + warm
+    if a.slots is not None:
+        run = _slot_runner(target, drafter, prompt, a)
+    else:
+        def run():
+            out = jdspark.generate(target, d, prompt, **kw)
+            jax.block_until_ready(out.tokens)
+            steps = int(out.stats.target_steps)
+            return steps, int(out.num_tokens), (int(out.stats.accepted) + steps) / steps
+    run()  # compile + warm
     trace = tempfile.mkdtemp(prefix="jdspark_trace_")
     jax.profiler.start_trace(trace)
     t0 = time.perf_counter()
-    out = jdspark.generate(target, d, prompt, **kw)
-    jax.block_until_ready(out.tokens)
+    steps, new_tokens, accept_len = run()
     wall_ns = (time.perf_counter() - t0) * 1e9
     jax.profiler.stop_trace()
-    hlo = sorted(glob.glob(os.path.join(dump, "*generate_program*after_optimizations.txt")), key=os.path.getmtime)
+    hlo = sorted(glob.glob(os.path.join(dump, f"*{program}*after_optimizations.txt")), key=os.path.getmtime)
     if not hlo:
-        raise SystemExit(f"bench_profile: no optimized HLO of the generation was dumped to {dump}")
+        raise SystemExit(f"bench_profile: no optimized HLO of the {program} program was dumped to {dump}")
     names = op_names(open(hlo[-1]).read())
     pb = glob.glob(os.path.join(trace, "**", "*.xplane.pb"), recursive=True)
     prof = jax.profiler.ProfileData.from_file(pb[0])
@@ -168,11 +221,12 @@ def main(argv=None) -> int:
     phase, per_op, per_part = by_phase(lines, names)
     shutil.rmtree(dump, ignore_errors=True)
     shutil.rmtree(trace, ignore_errors=True)
-    steps = int(out.stats.target_steps)
     total_ms = sum(e[1] for line in lines for e in line) / 1e6
     result = {"mode": "plain" if a.plain else "dspark", "temperature": a.temperature,
-              "top_p": a.top_p if a.temperature > 0 else 1.0, "new_tokens": int(out.num_tokens),
-              "target_steps": steps, "accept_len": (int(out.stats.accepted) + steps) / steps,
+              "top_p": a.top_p if a.temperature > 0 else 1.0, "new_tokens": new_tokens,
+              "program": program, **({"slots": a.slots, "steps_per_launch": a.steps_per_launch,
+                                      "launches": a.launches} if a.slots is not None else {}),
+              "target_steps": steps, "accept_len": accept_len,
               "phase_ms_per_step": {k: round(v / 1e6 / steps, 4) for k, v in phase.most_common()},
               "phase_share": {k: round(v / sum(phase.values()), 4) for k, v in phase.most_common()},
               "traced_thread_ms": round(total_ms, 2), "backend": jax.default_backend(), "trace_lines": line_names,

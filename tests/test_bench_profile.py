@@ -29,6 +29,10 @@ def test_op_names_and_phases():
     # the innermost phase wins: an append inside a step's commit scope is the append
     assert bench_profile.phase_of("jit(f)/while/body/commit/append_context/add") == "append_context"
     assert bench_profile.phase_of("jit(f)/while/body/drafter/add") == "other"  # a path part, not a substring
+    # the serving slots trace their steps under jax.vmap: a scope there is named vmap(<scope>)
+    assert bench_profile.phase_of("jit(step_rows)/while/body/closed_call/vmap(decode)/kda/dot_general") == "decode"
+    assert bench_profile.part_of("jit(step_rows)/while/body/vmap(decode)/vmap(kda)/dot_general") == "kda"
+    assert bench_profile.phase_of("jit(step_rows)/vmap(decoder)/add") == "other"
 
 
 def test_self_times_subtract_directly_nested_events():
