@@ -46,6 +46,40 @@ def use_compile_cache(path: Optional[str]) -> Optional[str]:
     return path
 
 
+XLA_CPU_WORKER = "tf_XLAEigen"  # what XLA:CPU names its intra-op worker threads (/proc/<pid>/task/<tid>/comm)
+
+
+def pin_cpu_workers(name: str = XLA_CPU_WORKER) -> list:
+    """Pin each of XLA:CPU's intra-op worker threads (``name``) to its own core of this process's CPU set, round
+    robin; returns the (thread id, core) pairs pinned ([] off Linux, with one core, or before the runtime has made
+    its threads: call after the first computation).
+
+    Why: after the process had been idle for 50 ms or more, a 128-token prefill ran at about one core's speed (42-50
+    ms against 28-36 back to back on this 2-core machine; on one core, 35-45 ms either way): Linux wakes a sleeping
+    worker next to the thread that wakes it, and the two share a core until the load balancer moves one. Pinned, the
+    same prefill after a pause took 28.6-35.0 ms (docs/serving.md, "Slow after idle"). A pinned thread cannot move
+    off a core another process keeps busy, so a server sharing its cores may prefer ``--pin-threads off``."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        tids = []
+        for t in sorted(os.listdir("/proc/self/task"), key=int):
+            with open(f"/proc/self/task/{t}/comm") as f:
+                if f.read().strip() == name:
+                    tids.append(int(t))
+    except (OSError, AttributeError):  # not Linux
+        return []
+    if len(cpus) < 2:
+        return []
+    pinned = []
+    for k, tid in enumerate(tids):
+        try:
+            os.sched_setaffinity(tid, {cpus[k % len(cpus)]})
+        except OSError:  # a thread that has ended since it was listed
+            continue
+        pinned.append((tid, cpus[k % len(cpus)]))
+    return pinned
+
+
 class StaticGraph:
     """A jit static argument whose hash is computed once and whose equality tries identity first: an nnx GraphDef
     hashes and compares structurally, ~2 ms per step on the default pair, paid on every call otherwise."""

@@ -74,7 +74,7 @@ from jdspark import serve_responses as responses_api
 from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, load_drafter, parse_context_window
 from jdspark.engine import Engine, QueueFull, combined_usage
 from jdspark.engine import Request as EngineRequest
-from jdspark.graphs import COMPILE_CACHE_DIR, use_compile_cache
+from jdspark.graphs import COMPILE_CACHE_DIR, pin_cpu_workers, use_compile_cache
 from jdspark.logprobs import MAX_LOGPROBS, prompt_logprobs_object
 from jdspark.prefix import tree_bytes
 from jdspark.serve_guided import guided_constraint
@@ -348,6 +348,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="keep the compiled serving programs in DIR and load them at the next start-up instead of "
                          "compiling them again (the same executables; keyed by program, XLA flags and versions); "
                          "none: off (default: $JAX_COMPILATION_CACHE_DIR or %(default)s)")
+    ap.add_argument("--pin-threads", choices=("on", "off"), default="on",
+                    help="on a CPU backend, pin each of XLA's worker threads to its own core once warm (a prefill "
+                         "after a pause otherwise ran at one core's speed: jdspark.graphs.pin_cpu_workers); off where "
+                         "the server shares its cores with other busy processes")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
                          "decides: chunks of 1024 above 4096 tokens)")
@@ -471,6 +475,10 @@ def main(argv=None) -> int:
         # frozen, the collector's passes skip them.
         gc.collect()
         gc.freeze()
+        if a.pin_threads == "on" and jax.default_backend() == "cpu":
+            pinned = pin_cpu_workers()
+            print(f"[serve] XLA:CPU worker threads pinned to cores {sorted({c for _, c in pinned})}" if pinned else
+                  "[serve] XLA:CPU worker threads not pinned (none found, or one core)", file=sys.stderr, flush=True)
         engine.start()
         ready.set()
         print(f"[serve] ready after {time.perf_counter() - t0:.0f} s of compiles and timings", file=sys.stderr,

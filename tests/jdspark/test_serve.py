@@ -952,6 +952,7 @@ def test_server_flags_reach_the_slots():
     """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default: the
     platform's plan, 4 on a CPU, every bucket on a GPU; 0: every bucket), is checked, and make_engine hands it to
     the slots, as it does prefix caching and --guided-states (on by default); --compile-cache's default and "none";
+    --pin-threads on by default;
     bench_serve passes --server-args only to a server it starts."""
     import os
     import sys
@@ -995,6 +996,8 @@ def test_server_flags_reach_the_slots():
     kept = jax.config.jax_compilation_cache_dir
     assert use_compile_cache("none") is None and use_compile_cache(None) is None
     assert jax.config.jax_compilation_cache_dir == kept
+    # XLA:CPU's worker threads pinned one to a core once warm, by default; off for a server sharing its cores
+    assert serve.parse_args([]).pin_threads == "on" and serve.parse_args(["--pin-threads", "off"]).pin_threads == "off"
     be = serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "3", "--no-prefix-answers"]))[1]
     assert be.prefix.capacity == 3 and not be.prefix_answers
     from jdspark.engine import SamplingRequest

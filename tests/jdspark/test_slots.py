@@ -478,6 +478,32 @@ def test_compile_all_stops_before_a_compile_that_could_pass_the_limit(backend, m
     assert compiled == [] and next(reads, None) is None
 
 
+def test_pin_cpu_workers_gives_each_worker_thread_its_own_core():
+    """``graphs.pin_cpu_workers``: XLA:CPU's worker threads (named as the pinned jaxlib names them) each pinned to one
+    core of the process's set, round robin, as it reports; a name no thread has pins nothing. The threads' own sets
+    are restored after (the rest of this process's tests run on them)."""
+    from jdspark import graphs
+
+    jnp.ones(8).sum().block_until_ready()  # the runtime has made its threads
+    tids = sorted(int(t) for t in os.listdir("/proc/self/task")
+                  if open(f"/proc/self/task/{t}/comm").read().strip() == graphs.XLA_CPU_WORKER)
+    assert tids, f"no thread named {graphs.XLA_CPU_WORKER!r}: the jaxlib names its workers otherwise"
+    cpus = sorted(os.sched_getaffinity(0))
+    before = {t: os.sched_getaffinity(t) for t in tids}
+    try:
+        pinned = graphs.pin_cpu_workers()
+        if len(cpus) < 2:
+            assert pinned == []
+        else:
+            assert pinned == [(t, cpus[k % len(cpus)]) for k, t in enumerate(tids)]
+            assert all(os.sched_getaffinity(t) == {c} for t, c in pinned)
+            assert len({c for _, c in pinned}) == min(len(tids), len(cpus))
+        assert graphs.pin_cpu_workers("no-such-thread") == []
+    finally:
+        for t, a in before.items():
+            os.sched_setaffinity(t, a)
+
+
 def test_the_memory_map_budget():
     """``check_map_budget``: used + remaining x per program against the limit less MAP_HEADROOM; ``memory_maps``
     reads this process's maps and the system's limit (Linux)."""
