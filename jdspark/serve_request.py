@@ -18,6 +18,7 @@ from jdspark.engine import SamplingRequest
 from jdspark.serve_errors import ApiError, get_field
 from jdspark.serve_guided import forced_tool, guided_constraint
 from jdspark.serve_media import MediaError, encode_with_images, message_text
+from kimi.tokenizer import PLAIN_CHAT_TEMPLATE
 
 __all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field", "parse_completion", "prompt_ids",
            "reject_unsupported", "split_prompts"]
@@ -177,7 +178,7 @@ def _tools(body: dict, chat: bool, tokenizer, tool_parser: Optional[str]) -> Opt
     if tool_parser is None:
         raise ApiError(400, "'tools': this server reads no tool calls (started with --tool-call-parser none)",
                        "tools", code="unsupported")
-    if "tools" not in (tokenizer.chat_template or ""):
+    if "tools" not in (tokenizer.chat_template or PLAIN_CHAT_TEMPLATE):  # (the fallback a checkpoint without one gets)
         raise ApiError(400, "'tools': this checkpoint's chat template renders no tools", "tools",
                        code="unsupported")
     return tools

@@ -61,10 +61,20 @@ SPECIAL_NAMES = {
     "mask": ("<mask>", "<|MASK|>", "[MASK]"),
 }
 
-# A documented fallback for checkpoints without a template: one "<|im_ROLE|>ROLE<|im_middle|>TEXT<|im_end|>" per
-# message (Kimi's layout); with add_generation_prompt, an open assistant turn.
+# A documented fallback for checkpoints without a template (and the shipped default pair's template): one
+# "<|im_ROLE|>ROLE<|im_middle|>TEXT<|im_end|>" per message (Kimi's layout); with add_generation_prompt, an open
+# assistant turn. With ``tools``, Kimi K2's layout for them: declared first as JSON in a "tool_declare" system turn,
+# an assistant's calls written back as its tool-call section, a tool's result headed "## Return of <call id>"
+# (the markers are jdspark.tool_calls'); a conversation without them renders as without this part.
 PLAIN_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{% endif %}"
+    "{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>"
+    "{% if m['role'] == 'tool' and 'tool_call_id' in m %}## Return of {{ m['tool_call_id'] }}\n{% endif %}"
+    "{{ m['content'] or '' }}"
+    "{% if 'tool_calls' in m and m['tool_calls'] %}<|tool_calls_section_begin|>{% for c in m['tool_calls'] %}"
+    "<|tool_call_begin|>{{ c['id'] }}<|tool_call_argument_begin|>{{ c['function']['arguments'] }}<|tool_call_end|>"
+    "{% endfor %}<|tool_calls_section_end|>{% endif %}<|im_end|>"
     "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
 )
 

@@ -223,7 +223,7 @@ def test_forced_tool_calls_are_constrained_to_the_tools_format():
 
 
 def test_tools_where_they_cannot_be_served():
-    tok = ByteTokenizer()  # the plain template renders no tools
+    tok = ByteTokenizer(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")  # renders no tools
     kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=4096, model_name="m")
     chat = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
     for body, chat_, parser, message in [(chat, True, "kimi_k2", "renders no tools"),
@@ -256,3 +256,42 @@ def test_tools_render_as_transformers_renders_them(hf_dir):  # noqa: F811
     tok.chat_template = ref.chat_template = extra
     assert tok.apply_chat_template(msgs, tools=TOOLS) == ref.apply_chat_template(
         msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_plain_template_renders_tools_in_kimi_s_layout(hf_dir):  # noqa: F811
+    """``PLAIN_CHAT_TEMPLATE`` (the fallback, and the shipped pair's template): a conversation without tools renders
+    as the layout did before tools were added to it; with tools, calls and results, as transformers renders the same
+    template, in the layout ``tool_calls`` parses; and the shipped pair serves a forced call with it."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kimi.tokenizer import PLAIN_CHAT_TEMPLATE, load_tokenizer
+
+    before = ("{% for m in messages %}<|im_{{ m['role'] }}|>{{ m['role'] }}<|im_middle|>{{ m['content'] }}<|im_end|>"
+              "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}")
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
+    new, old = ByteTokenizer(chat_template=PLAIN_CHAT_TEMPLATE), ByteTokenizer(chat_template=before)
+    for add in (True, False):
+        assert new.apply_chat_template(plain, add_generation_prompt=add) == old.apply_chat_template(
+            plain, add_generation_prompt=add)
+    tok = load_tokenizer(hf_dir)
+    tok.chat_template = PLAIN_CHAT_TEMPLATE
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json"), chat_template=PLAIN_CHAT_TEMPLATE)
+    msgs = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "Let me check.",
+                                                      "tool_calls": CALLS[:1]},
+            {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    text = tok.apply_chat_template(msgs, tools=TOOLS)
+    assert text == ref.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_system|>tool_declare<|im_middle|>" + json.dumps(TOOLS, separators=(",", ":")))
+    assistant = text[text.index("<|im_assistant|>assistant<|im_middle|>") + 38:]
+    content, calls = tc.parse(assistant[:assistant.index("<|im_end|>")])
+    assert content == "Let me check." and [c.as_api() for c in calls] == CALLS[:1]
+    assert "<|im_tool|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>" in text
+    # the shipped pair's tokenizer carries this template, and takes a forced call (the markers walked as text)
+    shipped = load_tokenizer("checkpoints/default/target")
+    assert shipped.chat_template == PLAIN_CHAT_TEMPLATE
+    parsed = parse_completion({"messages": msgs[:1], "tools": TOOLS, "tool_choice": "required"}, tokenizer=shipped,
+                              vocab_size=4096, max_context=4096, model_name="m", chat=True, tool_parser="kimi_k2",
+                              guided_states=1024)
+    assert parsed.tools and parsed.sampling.grammar is not None
+    assert "<|im_system|>tool_declare<|im_middle|>[" in shipped.decode(parsed.sampling.prompt_ids, skip_special=False)
