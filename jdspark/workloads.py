@@ -175,6 +175,7 @@ def _chat_ids(row: dict, tokenizer, vocab_size: int, where: str) -> list:
     from jdspark.serve_errors import ApiError
 
     try:
+        # (a tool parser named only so that a line's tools are rendered, as a server with its default parser does)
         ids, *_ = serve_request.prompt_ids(row, tokenizer, vocab_size, True, None, tool_calls.PARSERS[0], None)
     except ApiError as e:
         raise ValueError(f"{where}: {e.message}") from None

@@ -139,8 +139,9 @@ class HttpClient:
                 c = json.loads(line[6:])
                 if c.get("usage"):
                     usage = c["usage"]
-                piece = _output_of(c["choices"][0], chat) if c.get("choices") else None
-                finish = (c["choices"][0].get("finish_reason") if c.get("choices") else None) or finish
+                choice = c["choices"][0] if c.get("choices") else {}
+                piece = _output_of(choice, chat)
+                finish = choice.get("finish_reason") or finish
                 if piece is not None:
                     chunks.append(time.perf_counter() - t0)
                     text.append(piece)
