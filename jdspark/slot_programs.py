@@ -50,8 +50,19 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
                                      logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen,
                                      controls=controls if penalties else None, grammar=grammar)
+    if row.fsm is not None:  # the slot's automaton in the slots' numbering (``slot_automaton``)
+        row = dataclasses.replace(row, **dict(zip(("fsm", "fsm_next"), slot_automaton(row.fsm, row.fsm_next, slot))))
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
+
+
+def slot_automaton(q, next_QC, slot):
+    """A slot's automaton state and table in the numbering all slots share: state q of slot s is s * Q + q (-1 stays
+    -1). ``step_rows`` then reads every row's transitions from the slots' tables as one [S * Q, C] table, unmapped,
+    instead of gathering each stepped row's [Q, C] (2 MiB a row at the server's Q = 1024: a step of 8 of 16 slots
+    copied 16 MiB, and a multi-step launch carried them through its scan; docs/serving.md)."""
+    off = slot * next_QC.shape[0]
+    return jnp.where(q >= 0, q + off, q), jnp.where(next_QC >= 0, next_QC + off, next_QC)
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "width", "confidence", "all_slots", "steps",
@@ -73,6 +84,10 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     rows_b, topk_b, cap_b = (host_bC[:, j].astype(jnp.int32) for j in (0, 1, 4))
     temp_b, topp_b, minp_b = host_bC[:, 2], host_bC[:, 3], host_bC[:, 10]
+    # the automata's tables: every row reads the slots' [S * Q, C] table (``slot_automaton``'s numbering), unmapped
+    table = state.fsm_next
+    flat = None if table is None else table.reshape(-1, table.shape[-1])
+    state = dataclasses.replace(state, fsm_next=None)
     sub = state if all_slots else jax.tree.map(lambda s: s[rows_b], state)
     batch = SamplingParams.batch_flags(temp_b, topk_b, topp_b, minp_b)  # outside the map: a greedy step skips sampling
     want = jnp.any(host_bC[:, 5] > 0) if logprobs is not None else None  # outside the map too: a real branch
@@ -84,9 +99,12 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
         sp = SamplingParams.rows(t, k, p, m, batch)
         kw = dict(logprobs=logprobs, want_logprobs=want,
                   penalties=Penalties.rows(*pen3, penalising) if penalties else None)
+        st = dataclasses.replace(st, fsm_next=flat)
         if drafter is None or width == 1:  # extending the context of rows that draft on later steps
-            return plain_step(target, st, sp, drafter if extend_context else None, **kw)
-        return spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence, **kw)
+            new, out = plain_step(target, st, sp, drafter if extend_context else None, **kw)
+        else:
+            new, out = spec_step(target, drafter, st, sp, width=width, max_drafts=cap, confidence=confidence, **kw)
+        return dataclasses.replace(new, fsm_next=None), out
 
     def mapped(rows_state, _=None):
         with dispatch.mapped_rows(int(rows_b.shape[0])):
@@ -105,5 +123,5 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
                                                  dataclasses.replace(new, **none)), **kept)
     else:
         state = new
-    return state, out
+    return dataclasses.replace(state, fsm_next=table), out
 

@@ -221,28 +221,35 @@ def test_drafts_are_proposed_in_the_language(pair):  # noqa: F811
 
 def test_served_constrained_rows_equal_batch_one_generate(pair):  # noqa: F811
     """A backend with guided slots: a constrained greedy row, a constrained sampled row and an unconstrained one,
-    stepped together at the whole block's width, each equal to batch-1 generate with its own settings; a table
-    past the slots' states, or a backend without them, is refused by name."""
+    stepped together at the whole block's width (all slots in place) and by twos (rows gathered, the other one
+    waiting; each slot's automaton read from the slots' shared table in their own numbering,
+    ``slot_programs.slot_automaton``), each equal to batch-1 generate with its own settings; a table past the
+    slots' states, or a backend without them, is refused by name."""
     target, drafter = pair
     V = target.config.vocab_size
-    be = SlotBackend(target, drafter, num_slots=3, max_len=64, prompt_buckets=(16,), batch_buckets=(3,),
+    be = SlotBackend(target, drafter, num_slots=3, max_len=64, prompt_buckets=(16,), batch_buckets=(2, 3),
                      guided_states=16)
     rng = np.random.default_rng(8)
-    fsm = _ids_fsm([[5, 6, 7, 8, 9], [5, 10], [20, 21, 22, 23, 24, 25]], V)
+    words = [[5, 6, 7, 8, 9], [5, 10], [20, 21, 22, 23, 24, 25]]
+    words2 = [[30, 31, 32, 33], [34, 35, 36, 37, 38, 39, 40]]
+    fsm, fsm2 = _ids_fsm(words, V), _ids_fsm(words2, V)  # each slot its own table
     asks = [([1] + rng.integers(3, V, 10).tolist(), dict(grammar=fsm)),
-            ([1] + rng.integers(3, V, 8).tolist(), dict(grammar=fsm, temperature=1.0, seed=4)),
+            ([1] + rng.integers(3, V, 8).tolist(), dict(grammar=fsm2, temperature=1.0, seed=4)),
             ([1] + rng.integers(3, V, 9).tolist(), dict(temperature=1.0, seed=5))]
     outs = [[] for _ in asks]
     for s, (p, kw) in enumerate(asks):
         outs[s] += be.insert(s, SamplingRequest(tuple(p), 12, **kw)).tokens
-    while min(map(len, outs)) < 12:
-        for s, r in be.step([0, 1, 2], width=be.G + 1).items():
+    turns = [[0, 1, 2], [2, 1], [1, 0], [0, 2]]  # the last three in bucket 2: gathered rows
+    for i in range(24):
+        if min(map(len, outs)) >= 12:
+            break
+        for s, r in be.step(turns[i % len(turns)], width=be.G + 1).items():
             outs[s] += r.tokens
     for (p, kw), got in zip(asks, outs):
         ref = jdspark.generate(target, drafter, np.asarray(p), max_new_tokens=12, **kw).tokens.tolist()
         assert got[:len(ref)] == ref, (kw, got, ref)
         if "grammar" in kw:
-            assert ref[-1] == EOS and ref[:-1] in ([5, 6, 7, 8, 9], [5, 10], [20, 21, 22, 23, 24, 25]), ref
+            assert ref[-1] == EOS and ref[:-1] in (words if kw["grammar"] is fsm else words2), ref
     big = _ids_fsm([list(range(3, 30))], V)
     with pytest.raises(ValueError, match="take at most 16 states"):
         be.insert(0, SamplingRequest((1, 5), 4, grammar=big))
