@@ -9,7 +9,8 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
         committed, so host work overlaps the device; a request that step t surely or likely ends by max_tokens
         gets no row in step t + 1 (``Engine._plan_launch``), one that ends otherwise has a row there whose tokens
         are dropped; such a backend's ``steps_for(n)`` says how many steps one launch may run for n active slots,
-        used while no request waits, and ``collect`` gives each slot its steps' outputs in order)
+        used while no request waits (a launch handle that is a dict with "steps" says how many it runs, which may
+        be fewer), and ``collect`` gives each slot its steps' outputs in order)
     ends a request on EOS (unless ``ignore_eos``), one of its ``stop_token_ids`` (its id kept, its text not shown,
     as EOS), a stop string (none matched before ``min_tokens``), ``max_tokens`` or cancellation, frees its slot,
     and hands each request its events (text deltas decoded incrementally, never a broken character);
@@ -289,9 +290,10 @@ class Engine:
                 if pipelined:  # launch this step, then commit the previous one's tokens while it computes
                     launched = None
                     active, steps = self._plan_launch(active, pending)
-                    if active:
-                        launched = (self.backend.launch(active, steps=steps), {s: self.slots[s] for s in active},
-                                    steps)
+                    if active:  # a backend may run fewer steps than asked; a handle with "steps" says so
+                        h = self.backend.launch(active, steps=steps)
+                        launched = (h, {s: self.slots[s] for s in active},
+                                    h.get("steps", steps) if isinstance(h, dict) else steps)
                     if pending is not None:
                         outs = self.backend.collect(pending[0])
                         for s, req in pending[1].items():

@@ -363,6 +363,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the largest batch bucket launched --multi-step steps at a time (0: every bucket); above it "
                          "one step a launch, where adaptive verification re-plans every step (docs/serving.md); "
                          "default: multi_step_plan's (4 on a CPU, every bucket on a GPU)")
+    ap.add_argument("--multi-step-plain-max-batch", type=int, default=None,
+                    help="the largest batch bucket a plain launch (width 1: --spec off, adaptive's plain steps; no "
+                         "drafts to plan) runs --multi-step steps (0: every bucket); at least --multi-step-max-batch; "
+                         "default: multi_step_plan's (every bucket)")
     ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions of each stream, from a ring buffer "
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
@@ -409,10 +413,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan = multi_step_plan(jax.default_backend())
     a.multi_step = plan[0] if a.multi_step is None else a.multi_step
     a.multi_step_max_batch = plan[1] if a.multi_step_max_batch is None else a.multi_step_max_batch
+    if a.multi_step_plain_max_batch is None:
+        a.multi_step_plain_max_batch = plan[2]
     if a.multi_step < 1:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
     if a.multi_step_max_batch < 0:
         ap.error(f"--multi-step-max-batch: expected an int >= 0 (0: every batch bucket), got {a.multi_step_max_batch}")
+    if a.multi_step_plain_max_batch < 0:
+        ap.error(f"--multi-step-plain-max-batch: expected an int >= 0 (0: every batch bucket), got "
+                 f"{a.multi_step_plain_max_batch}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.max_n < 1:
@@ -436,6 +445,7 @@ def make_engine(a: argparse.Namespace):
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
+                          multi_step_plain_max_batch=a.multi_step_plain_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
                           max_logprobs=a.max_logprobs if a.logprobs else None, penalties=a.penalties,
                           guided_states=a.guided_states, guided_classes=a.guided_classes,

@@ -14,9 +14,10 @@ traced, state donated). Every (bucket, width) program is compiled by ``warm_up()
 
 Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``multi_step_max_batch`` one launch may
 run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the engine has no request waiting for
-a slot; the engine commits them in order. Where one row's step is a few ms, the host's round trip per launch
-(dispatch, read-back, commit) is a large share of it; a row whose request ends mid-launch runs its remaining steps
-for nothing (at most ``multi_step - 1``).
+a slot; the engine commits them in order. A plain launch (width 1) may do so up to ``multi_step_plain_max_batch``:
+it has no drafts whose width would be planned from stale curves. Where one row's step is a few ms, the host's round
+trip per launch (dispatch, read-back, commit) is a large share of it; a row whose request ends mid-launch runs its
+remaining steps for nothing (at most ``multi_step - 1``).
 Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block, or the
 drafter-free plain program when no row of the step drafts). Its insert still prefills the drafter's context (one
 insert program per prompt bucket; the drafter's share of a prefill is small), which it never reads.
@@ -70,6 +71,10 @@ COMPILE_THREADS = 8
 # token against 5.5 in 4-step launches on the shipped pair; at 16 adaptive verification lost with them (it plans
 # once a launch), so larger buckets take one step a launch (docs/serving.md, "Multi-step scheduling").
 MULTI_STEP_MAX_BATCH = 4
+# ... and plain launches (width 1: ``--spec off``, adaptive's plain steps) at buckets up to this. In process at 8 rows
+# a one-step launch of 8 plain rows served 754-781 tok/s, 4-step launches 897-902 (docs/serving.md, "Plain launches
+# of many rows in several steps").
+MULTI_STEP_PLAIN_MAX_BATCH = 16
 
 # a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
 SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
@@ -91,13 +96,14 @@ def _scalars(samp) -> tuple:
 
 def multi_step_plan(platform: str) -> tuple:
     """The server's default (steps per launch, largest batch bucket launched so; 0: every bucket) on ``platform``
-    (``jax.default_backend()``). The CPU: (4, MULTI_STEP_MAX_BATCH), from in-process A B B A runs (above). Elsewhere
+    (``jax.default_backend()``), and the largest bucket a plain launch is (0: every bucket). The CPU: (4,
+    MULTI_STEP_MAX_BATCH, MULTI_STEP_PLAIN_MAX_BATCH), from in-process A B B A runs (above). Elsewhere
     (a GPU): (8, every bucket). On the H200 a launch cost the host 1.2-1.5 ms whatever its size (XLA:GPU enqueues
     the program's kernels and reads each loop's predicate back from the caller's thread), so one-step launches were
     host-bound at every batch: 8-step launches measured 2.02 -> 0.61 ms a step at 1 row x width 1, 2.06 -> 0.85 at
     16 x 1 and 2.96 -> 1.59 at 16 x 8 (docs/h200/run4; docs/performance.md, "Where a served step's time goes on
     the H200")."""
-    return (4, MULTI_STEP_MAX_BATCH) if platform == "cpu" else (8, 0)
+    return (4, MULTI_STEP_MAX_BATCH, MULTI_STEP_PLAIN_MAX_BATCH) if platform == "cpu" else (8, 0, 0)
 
 
 def buckets_up_to(n: int, smallest: int = 1) -> tuple:
@@ -116,7 +122,8 @@ class SlotBackend:
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
-                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH, prefix_pool: Optional[int] = 0,
+                 multi_step_max_batch: int = MULTI_STEP_MAX_BATCH,
+                 multi_step_plain_max_batch: Optional[int] = None, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
                  max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0,
                  guided_classes: int = GUIDED_CLASSES):
@@ -126,8 +133,13 @@ class SlotBackend:
             raise ValueError(f"multi_step, multi_step_max_batch: expected >= 1, got {multi_step}, "
                              f"{multi_step_max_batch}")
         # multi-step scheduling: up to ``multi_step`` steps per launch at batch buckets <= multi_step_max_batch
-        # (where the host's round trip per step costs most), when the engine has no request waiting
+        # (where the host's round trip per step costs most), when the engine has no request waiting; plain launches
+        # up to multi_step_plain_max_batch (default: the same)
         self.multi_step, self.multi_step_max_batch = int(multi_step), int(multi_step_max_batch)
+        plain = multi_step_max_batch if multi_step_plain_max_batch is None else int(multi_step_plain_max_batch)
+        if plain < 1:
+            raise ValueError(f"multi_step_plain_max_batch: expected >= 1, got {plain}")
+        self.multi_step_plain_max_batch = max(plain, self.multi_step_max_batch)
         self.target, self.drafter = serving_pair(target, drafter)
         self.source, self.cfg = target, target.config  # source: the loaded target (its vision tower encodes images)
         self.num_slots, self.max_len = int(num_slots), int(max_len)
@@ -417,25 +429,36 @@ class SlotBackend:
         return {s: outs[0] for s, outs in self.collect(self.launch(slots, width)).items()}
 
     def steps_for(self, n: int) -> int:
-        """Steps per launch for ``n`` active slots (multi-step scheduling; 1 above ``multi_step_max_batch``)."""
-        return self.multi_step if self._bucket(n) <= self.multi_step_max_batch else 1
+        """The most steps a launch for ``n`` active slots runs (multi-step scheduling): ``multi_step`` at buckets up
+        to ``multi_step_plain_max_batch``, else 1. ``launch`` runs one where its width is not multi-stepped there
+        (``steps_at``); its handle says how many it runs."""
+        return self.multi_step if self._bucket(n) <= self.multi_step_plain_max_batch else 1
+
+    def steps_at(self, b: int, width: int) -> int:
+        """Steps a launch of batch bucket ``b`` at verify width ``width`` runs when several are asked for: wide
+        launches multi-step up to ``multi_step_max_batch``, plain ones (width 1) up to
+        ``multi_step_plain_max_batch``."""
+        top = self.multi_step_plain_max_batch if width == 1 else self.multi_step_max_batch
+        return self.multi_step if b <= top else 1
 
     def launch(self, slots: Sequence[int], width: Optional[int] = None, steps: int = 1) -> dict:
         """Dispatch ``steps`` steps of ``slots`` without waiting for them (JAX runs them asynchronously): the engine
         commits the previous launch's tokens on the host while this one computes. Returns the handle ``collect``
         reads. ``steps`` > 1: the steps of one launch share one width (chosen from the curves known now, so still
-        before any of their drafts are drawn)."""
+        before any of their drafts are drawn); a width not multi-stepped at this bucket runs one step
+        (``steps_at``), which the handle's ``steps`` says."""
         slots = list(slots)
         b = self._bucket(len(slots))
         steps = int(steps)
-        if steps != 1 and (steps != self.multi_step or b > self.multi_step_max_batch):
+        if steps != 1 and (steps != self.multi_step or b > self.multi_step_plain_max_batch):
             raise ValueError(f"steps: {steps} per launch is compiled only as multi_step ({self.multi_step}) at "
-                             f"batch buckets <= {self.multi_step_max_batch}; got batch bucket {b}")
+                             f"batch buckets <= {self.multi_step_plain_max_batch}; got batch bucket {b}")
         # the largest bucket steps every slot in slot order (free slots too: their rows are reset on insert)
         all_slots = b == self.num_slots
         rows = np.arange(b, dtype=np.int32) if all_slots else np.array(slots + [slots[0]] * (b - len(slots)),
                                                                             np.int32)
         W = self.choose_width(slots) if width is None else (1 if self.drafter is None else int(width))
+        steps = min(steps, self.steps_at(b, W))
         launched = time.perf_counter()
         args, kw = self._step_args(rows, W, steps)
         extend, tops = kw["extend_context"], [int(self.params[s, 4]) for s in slots]
@@ -575,7 +598,7 @@ class SlotBackend:
             rows = np.arange(b, dtype=np.int32)
             for w in self.widths:
                 for cap in self.program_caps(w):
-                    for k in sorted({1, self.steps_for(b)}):
+                    for k in sorted({1, self.steps_at(b, w)}):
                         out.append((step_rows, *self._step_args(rows, w, k, caps=np.full(b, float(cap)))))
         return out
 
@@ -648,12 +671,12 @@ class SlotBackend:
                 for cap in self.program_caps(w):  # the last: the program adaptive schedules (timed below)
                     self.params[:b, 3] = cap
                     self.step(list(range(b)), width=w)  # a first run (compile_all compiled it)
-                    if self.steps_for(b) > 1:
-                        self.collect(self.launch(list(range(b)), width=w, steps=self.steps_for(b)))
-            if self.adaptive:  # timed as served: a launch of steps_for(b) steps, per step; in rounds over widths
-                k = self.steps_for(b)
+                    if self.steps_at(b, w) > 1:
+                        self.collect(self.launch(list(range(b)), width=w, steps=self.steps_at(b, w)))
+            if self.adaptive:  # timed as served: a launch of steps_at(b, w) steps, per step; in rounds over widths
                 for _ in range(max(1, reps)):
                     for w in self.widths:
+                        k = self.steps_at(b, w)
                         self.params[:b, 3] = self.program_caps(w)[-1]
                         t0 = time.perf_counter()
                         self.collect(self.launch(list(range(b)), width=w, steps=k))

@@ -118,6 +118,29 @@ def test_under_load_every_request_is_whole():
             assert res[i] == _want(10 + i, n), (k, i)
 
 
+class FewerStepsBackend(PipelinedBackend):
+    """Runs one step in every other launch asked for several (as ``SlotBackend`` does where the width it picks is
+    not multi-stepped at that batch bucket) and says so in the handle's ``"steps"``."""
+
+    def launch(self, slots, steps=1):
+        run = 1 if len(self.launches) % 2 else steps
+        out = super().launch(slots, run)
+        out["steps"] = run
+        return out
+
+
+def test_a_launch_that_runs_fewer_steps_than_asked_is_planned_by_what_it_runs():
+    """The engine plans the next launch by the steps the launch in flight runs (its handle's ``"steps"``), not by
+    the steps it asked for: judged by the 4 asked, a row with 2 tokens left would be left out of the next launch
+    while its last launch ran 1 step, and the largest bucket, which steps it anyway, would drop its tokens."""
+    for k, lengths in ((1, [7, 30, 13, 50]), (3, [17, 30, 41, 50]), ([3, 1, 2], [7, 30, 13, 50])):
+        be = FewerStepsBackend(num_slots=4, tokens_per_step=k, all_slots=True)
+        res = _serve(be, lengths)
+        for i, n in enumerate(lengths):
+            assert res[i] == _want(10 + i, n), (k, i)
+        assert {steps for _, steps in be.launches} == {1, 4}
+
+
 class AnswerKeepingBackend(PipelinedBackend):
     """Records what the engine hands ``keep_answer`` and when it runs ``idle_step`` (the slots then in use)."""
 

@@ -961,15 +961,16 @@ def test_server_flags_reach_the_slots():
     from jdspark.slots import multi_step_plan
 
     a = serve.parse_args([])
-    assert (a.multi_step, a.multi_step_max_batch) == multi_step_plan("cpu") == (4, 4)
-    assert multi_step_plan("gpu") == (8, 0)
+    assert (a.multi_step, a.multi_step_max_batch, a.multi_step_plain_max_batch) == multi_step_plan("cpu") == (4, 4, 16)
+    assert multi_step_plan("gpu") == (8, 0, 0)
     assert serve.parse_args(["--multi-step", "2"]).multi_step == 2
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-max-batch", "-1"])
     a_flags = ["--checkpoint", "checkpoints/default", "--slots", "2", "--max-len", "256", "--prompt-buckets", "64"]
     a = serve.parse_args([*a_flags, "--multi-step", "3", "--multi-step-max-batch", "1"])
     _, backend, *_ = serve.make_engine(a)
-    assert (backend.steps_for(1), backend.steps_for(2)) == (3, 1)
+    assert (backend.steps_for(1), backend.steps_for(2)) == (3, 3)  # plain launches: every bucket (by default)
+    assert (backend.steps_at(1, backend.G + 1), backend.steps_at(2, backend.G + 1), backend.steps_at(2, 1)) == (3, 1, 3)
     assert backend.prefix.capacity == 32  # prefix caching is on by default; --prefix-pool 0 turns it off
     # the default pool stays within its budget where a row is large: 1 row at least, 32 at most
     from jdspark.prefix import PREFIX_POOL_BUDGET_BYTES, default_pool_rows
@@ -1008,10 +1009,15 @@ def test_server_flags_reach_the_slots():
     assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "0"]))[1].prefix is None
     with pytest.raises(SystemExit):
         serve.parse_args(["--prefix-pool", "-1"])
-    for flag, want in ((["--multi-step-max-batch", "0"], [4] * 5), ([], [4, 4, 4, 4, 1])):  # buckets 1, 2, 4, 8
+    # buckets 1, 2, 4, 8: steps_for is the most a launch runs; steps_at(8, width) what one of that width runs
+    for flag, want, at8 in ((["--multi-step-max-batch", "0"], [4] * 5, (4, 4)), ([], [4] * 5, (4, 1)),
+                            (["--multi-step-plain-max-batch", "4"], [4, 4, 4, 4, 1], (1, 1))):
         _, backend, *_ = serve.make_engine(serve.parse_args(["--slots", "8", "--max-len", "256", "--prompt-buckets",
                                                              "64", *flag]))
         assert [backend.steps_for(n) for n in (1, 2, 3, 4, 5)] == want
+        assert (backend.steps_at(8, 1), backend.steps_at(8, backend.G + 1)) == at8
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--multi-step-plain-max-batch", "-1"])
     sys.path.insert(0, "scripts")
     import bench_serve
 
