@@ -35,8 +35,6 @@ otherwise (adaptive's plain steps).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import os
 import time
 from typing import Optional, Sequence
 
@@ -46,7 +44,7 @@ import numpy as np
 
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
-from jdspark.graphs import TYPICAL_SHARE, MapGuard, check_map_budget, memory_maps, split_module
+from jdspark.graphs import compile_programs, split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
@@ -63,9 +61,6 @@ __all__ = ["SlotBackend", "buckets_up_to"]
 # priced by adaptive.retime_extra): the cost table only learns from steps it runs, and warm_up's timing of a
 # width can be off (this machine's load varies), which would otherwise keep that width out for good.
 EXPLORE_EVERY = 64
-
-# ``SlotBackend.compile_all``: at most this many programs compile at once (each compile holds its own XLA memory).
-COMPILE_THREADS = 8
 
 # Multi-step launches (``multi_step`` > 1) at batch buckets up to this: at 4 rows a one-step launch cost 8.7 ms a
 # token against 5.5 in 4-step launches on the shipped pair; at 16 adaptive verification lost with them (it plans
@@ -603,41 +598,10 @@ class SlotBackend:
         return out
 
     def compile_all(self, threads: Optional[int] = None) -> int:
-        """Compile ``programs()`` ahead of time, ``threads`` at a time (default: the machine's cores, at most
-        COMPILE_THREADS): XLA compiles outside the GIL, so on a many-core host start-up takes a fraction of one
-        compile after another (on the H200 machine the server's ~50 programs had not compiled in 190 s, one at a
-        time). A jitted call of the same arguments afterwards reuses the executable (it traces, no compile:
-        ``tests/jdspark/test_slots.py``). Returns the number of programs."""
-        progs = self.programs()
-        n = max(1, min(threads or (os.cpu_count() or 1), COMPILE_THREADS))
-
-        def compile_one(prog) -> None:
-            fn, args, kw = prog
-            fn.lower(*args, **kw).compile()
-
-        before = memory_maps() if jax.default_backend() == "cpu" else None
-        rest, guard = progs, None
-        if before is not None and len(progs) > 1:  # price one program (the widest step of the largest batch
-            compile_one(progs[-1])  # bucket) before compiling the others: a clear error instead of an abort in
-            after = memory_maps()  # the middle of start-up (graphs.MapGuard)
-            if after is not None:
-                price = after[0] - before[0]
-                check_map_budget(len(progs) - 1, int(TYPICAL_SHARE * price), after[0], after[1])
-                guard = MapGuard(len(progs) - 1, price, read=memory_maps)
-            rest = progs[:-1]
-
-        def compile_guarded(prog) -> None:
-            if guard is None:
-                return compile_one(prog)
-            guard.enter()
-            try:
-                compile_one(prog)
-            finally:
-                guard.leave()
-
-        with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jdspark-compile") as pool:
-            list(pool.map(compile_guarded, rest))
-        return len(progs)
+        """Compile ``programs()`` ahead of time, ``threads`` at a time under the memory-map guard
+        (``graphs.compile_programs``); a jitted call of the same arguments afterwards reuses the executable (it
+        traces, no compile: ``tests/jdspark/test_slots.py``). Returns the number of programs."""
+        return compile_programs(self.programs(), threads)
 
     def warm_up(self, reps: int = 5) -> dict:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive

@@ -438,16 +438,16 @@ def test_compile_all_refuses_programs_past_the_memory_map_limit(backend, monkeyp
     """XLA:CPU maps each fused kernel of a program on its own; past Linux's vm.max_map_count a compile aborts the
     process inside LLVM. ``compile_all`` compiles one program, prices the rest by its maps and raises a clear error
     before the others compile (here: 1000 maps a program against a limit of 6000 less the headroom)."""
-    from jdspark import slots
+    from jdspark import graphs
 
     reads = iter([(1000, 6000), (2000, 6000)])  # before and after the one program priced
-    monkeypatch.setattr(slots, "memory_maps", lambda: next(reads))
+    monkeypatch.setattr(graphs, "memory_maps", lambda: next(reads))
 
     class NoPool:  # the remaining programs must not start compiling
         def __init__(self, *a, **k):
             raise AssertionError("compiled the rest past the budget")
 
-    monkeypatch.setattr(slots.concurrent.futures, "ThreadPoolExecutor", NoPool)
+    monkeypatch.setattr(graphs.concurrent.futures, "ThreadPoolExecutor", NoPool)
     with pytest.raises(RuntimeError, match=r"vm\.max_map_count.*--prompt-buckets"):
         backend.compile_all(threads=1)
     assert next(reads, None) is None  # both reads taken: the price came from a compile
@@ -458,13 +458,13 @@ def test_compile_all_stops_before_a_compile_that_could_pass_the_limit(backend, m
     a start-up it lets through is still guarded compile by compile (``graphs.MapGuard``): here the estimate fits,
     then the process's maps grow faster than it said, and the next compile is refused with the same advice
     before it starts."""
-    from jdspark import slots
+    from jdspark import graphs, slots
     from jdspark.graphs import LARGEST_SHARE, MAP_HEADROOM, TYPICAL_SHARE, MapBudgetError
 
     n = len(backend.programs())
     limit = 2000 + (n - 1) * int(TYPICAL_SHARE * 1000) + MAP_HEADROOM  # the estimate fits exactly
     reads = iter([(1000, limit), (2000, limit), (limit - MAP_HEADROOM - int(LARGEST_SHARE * 1000) + 1, limit)])
-    monkeypatch.setattr(slots, "memory_maps", lambda: next(reads))
+    monkeypatch.setattr(graphs, "memory_maps", lambda: next(reads))
     compiled = []
     real = slots.SlotBackend.programs
 
