@@ -51,7 +51,8 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
                                      logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen,
                                      controls=controls if penalties else None, grammar=grammar)
     if row.fsm is not None:  # the slot's automaton in the slots' numbering (``slot_automaton``)
-        row = dataclasses.replace(row, **dict(zip(("fsm", "fsm_next"), slot_automaton(row.fsm, row.fsm_next, slot))))
+        q, next_QC = slot_automaton(row.fsm, row.fsm_next, slot)
+        row = dataclasses.replace(row, fsm=q, fsm_next=next_QC)
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
 

@@ -91,7 +91,7 @@ def _scalars(samp) -> tuple:
 
 def multi_step_plan(platform: str) -> tuple:
     """The server's default (steps per launch, largest batch bucket launched so; 0: every bucket) on ``platform``
-    (``jax.default_backend()``), and the largest bucket a plain launch is (0: every bucket). The CPU: (4,
+    (``jax.default_backend()``), and the largest bucket a plain launch (width 1) runs so (0: every bucket). The CPU: (4,
     MULTI_STEP_MAX_BATCH, MULTI_STEP_PLAIN_MAX_BATCH), from in-process A B B A runs (above). Elsewhere
     (a GPU): (8, every bucket). On the H200 a launch cost the host 1.2-1.5 ms whatever its size (XLA:GPU enqueues
     the program's kernels and reads each loop's predicate back from the caller's thread), so one-step launches were
