@@ -606,7 +606,7 @@ class SlotBackend:
     def warm_up(self, reps: int = 5) -> dict:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
         verification also time each step program (``reps`` runs after its compile; their median) into the cost
-        table the scheduler reads, per step of a launch as serving launches them (``steps_for``: at small buckets
+        table the scheduler reads, per step of a launch as serving launches them (``steps_at``: at small buckets
         several steps a launch, whose host round trip a single step's timing would charge to one step: a 1 x 8
         step timed alone at 12.5 ms was served at ~7.5, which kept the whole block out until served steps
         re-timed it). The timings go in rounds, each timing every width once: a load that comes and goes during
