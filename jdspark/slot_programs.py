@@ -23,7 +23,10 @@ from jdspark.sampling import Penalties, SamplingParams
 from jdspark.speculative import REQUEST_CONSTANT, plain_step, prefill_stream, spec_step
 from kimi import dispatch
 
-__all__ = ["insert_row", "step_rows", "HOST_COLUMNS"]
+__all__ = ["insert_row", "step_rows", "HOST_COLUMNS", "SAMPLING_OFF"]
+
+# a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
+SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
 
 # step_rows' per-row host inputs, in this order, packed into one float32 [b, HOST_COLUMNS] array
 HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs", "repetition_penalty",

@@ -10,7 +10,8 @@ anchor, RNG key), plus per-slot sampling parameters and draft caps on the host. 
     MLA and drafter lengths per row: batch 1 inside the map)
 
 ``insert`` prefills one prompt at batch 1 (its length bucketed) and writes the row into its slot (slot index
-traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` before the server says ready.
+traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` (``jdspark.slot_startup``) before the
+server says ready.
 
 Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``multi_step_max_batch`` one launch may
 run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the engine has no request waiting for
@@ -44,11 +45,12 @@ import numpy as np
 
 from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next_width, probe_interval, retime_extra
 from jdspark.engine import SamplingRequest, StepOutput
-from jdspark.graphs import compile_programs, split_module
+from jdspark.graphs import split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
-from jdspark.slot_programs import insert_row, step_rows
+from jdspark.slot_programs import SAMPLING_OFF, insert_row, step_rows
+from jdspark.slot_startup import StartUp
 from jdspark.speculative import prefill_stream, serving_pair
 from kimi import dispatch
 from kimi.prefill import chunked_positions
@@ -71,8 +73,6 @@ MULTI_STEP_MAX_BATCH = 4
 # (docs/serving.md, "Plain steps of many rows").
 MULTI_STEP_PLAIN_MAX_BATCH = 16
 
-# a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
-SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
 # token classes a slot's automaton may tell apart (``grammar.token_classes``; the shipped pair's json_object: 99,
 # a 3-property schema 147; at most the vocabulary): the table a slot holds is guided_states x this + V int32
 GUIDED_CLASSES = 512
@@ -110,7 +110,7 @@ def buckets_up_to(n: int, smallest: int = 1) -> tuple:
     return tuple(out + [n])
 
 
-class SlotBackend:
+class SlotBackend(StartUp):
     """``Backend`` of ``jdspark.engine`` over a target (and optional DSpark drafter)."""
 
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
@@ -575,84 +575,3 @@ class SlotBackend:
         fits the cache after the kept ones, else as many as the largest such bucket (None: none fits)."""
         fit = [b for b in self.prompt_buckets if kept + b <= self.max_len]
         return min(total - kept, fit[-1]) if fit else None
-
-    def programs(self) -> list:
-        """Every program serving runs, as (jitted function, args, static kwargs): each text prompt bucket's insert
-        and each (batch bucket, width, draft cap program, steps per launch) step. (An image prompt's insert, whose
-        features come from the vision tower, compiles in ``warm_up``'s runs.)"""
-        out = []
-        for P in self.prompt_buckets:
-            padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
-            out.append((insert_row, *self._insert_args(0, padded, P, 0, SAMPLING_OFF, None,
-                                                    dispatch.prefill_chunk(P, self.prefill_chunk))))
-            if self.prefix is not None:  # a prefix-cache hit's extension of this bucket
-                out.append((extend, self._extend_args(0, 0, padded, P, 0), self._extend_kw()))
-        if self.prefix is not None:
-            out.append((snapshot, (self.pool, self.state, np.int32(0), np.int32(0)), {}))
-        for b in self.batch_buckets:
-            rows = np.arange(b, dtype=np.int32)
-            for w in self.widths:
-                for cap in self.program_caps(w):
-                    for k in sorted({1, self.steps_at(b, w)}):
-                        out.append((step_rows, *self._step_args(rows, w, k, caps=np.full(b, float(cap)))))
-        return out
-
-    def compile_all(self, threads: Optional[int] = None) -> int:
-        """Compile ``programs()`` ahead of time, ``threads`` at a time under the memory-map guard
-        (``graphs.compile_programs``); a jitted call of the same arguments afterwards reuses the executable (it
-        traces, no compile: ``tests/jdspark/test_slots.py``). Returns the number of programs."""
-        return compile_programs(self.programs(), threads)
-
-    def warm_up(self, reps: int = 5) -> dict:
-        """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
-        verification also time each step program (``reps`` runs after its compile; their median) into the cost
-        table the scheduler reads, per step of a launch as serving launches them (``steps_at``: at small buckets
-        several steps a launch, whose host round trip a single step's timing would charge to one step: a 1 x 8
-        step timed alone at 12.5 ms was served at ~7.5, which kept the whole block out until served steps
-        re-timed it). The timings go in rounds, each timing every width once: a load that comes and goes during
-        warm-up then moves every width's samples alike. Timing each width's ``reps`` in turn, one start-up priced
-        b = 16 W = 1 at 15.8 ms and W = 2 at 15.9 (served ~11 and ~17); one engine timed both ways four times
-        (``docs/warm_up_order_b1_b16.jsonl``) priced b = 16 W = 4 at 25.8-36.0 ms in turn, 24.7-26.2 in rounds.
-        Returns the table {(batch, width): seconds}. The programs are compiled ahead of time first, several at
-        once (``compile_all``); the runs below then find them compiled."""
-        self.compile_all()
-        bos = self.cfg.bos_token_id
-        kept, self.prefix = self.prefix, None  # each bucket's own insert runs (a longer all-BOS prompt would hit)
-        for P in self.prompt_buckets:
-            self.insert(0, SamplingRequest(tuple([bos] * P), 1))
-            if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
-                self._prefill(0, np.full((1, P), bos, np.int32), P, 0, SAMPLING_OFF,
-                              jnp.zeros((P, self.cfg.hidden_size), jnp.float32), None)
-        self.prefix = kept
-        if kept is not None:  # the copy into the pool and each bucket's extension, on a kept 1-token prompt
-            self.insert(0, SamplingRequest((bos,), 1))
-            self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(0))
-            for P in self.prompt_buckets:
-                self._extend(0, 0, np.full((1, P), bos, np.int32), 1, 0)
-        timings = CostTable()
-        for b in self.batch_buckets:
-            for w in self.widths:
-                for cap in self.program_caps(w):  # the last: the program adaptive schedules (timed below)
-                    self.params[:b, 3] = cap
-                    self.step(list(range(b)), width=w)  # a first run (compile_all compiled it)
-                    if self.steps_at(b, w) > 1:
-                        self.collect(self.launch(list(range(b)), width=w, steps=self.steps_at(b, w)))
-            if self.adaptive:  # timed as served: a launch of steps_at(b, w) steps, per step; in rounds over widths
-                for _ in range(max(1, reps)):
-                    for w in self.widths:
-                        k = self.steps_at(b, w)
-                        self.params[:b, 3] = self.program_caps(w)[-1]
-                        t0 = time.perf_counter()
-                        self.collect(self.launch(list(range(b)), width=w, steps=k))
-                        timings.observe((b, w), (time.perf_counter() - t0) / k)
-        if self.prefix is not None:  # warm-up's prompts are no one's
-            self.prefix.clear()
-        for s in range(self.num_slots):
-            self.free(s)
-            self.tracker.reset(s)
-        self.tracker.prior[:] = 1.0
-        self.width_counts.clear()
-        self.launch_steps.clear()
-        self.timings = timings
-        self.costs = dict(timings.table)
-        return dict(self.costs)
