@@ -9,7 +9,7 @@ indexes:
 A stream carries its state q (-1: unconstrained) and the table (on the device by token classes,
 ``token_classes``); at each position the step verifies, the target's
 logits are masked to {v : next_QV[q_j, v] >= 0} with q_j the state after the drafts before j
-(``jdspark.speculative._penalized``), and the committed tokens advance q. The masked logits are the target's law, so
+(``jdspark.stream_logits.penalized``), and the committed tokens advance q. The masked logits are the target's law, so
 greedy and rejection sampling stay lossless. The drafter proposes within the language too (its Markov decode masked
 by the same table, ``DSparkDrafter.decode_block(automaton=)``): the rejection rule reads that masked proposal, so
 any proposal stays lossless, and no draft is spent on a token the target cannot take.

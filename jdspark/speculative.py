@@ -38,11 +38,11 @@ from jdspark.sampling import (
     SamplingParams,
     accept,
     logit_controls,
-    penalize,
     propose,
     sample,
     unless_greedy,
 )
+from jdspark.stream_logits import advanced, counted, penalized, recounted, seen
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
 from kimi.model import check_token_ids, with_serving_layout
@@ -154,72 +154,6 @@ class _Loop:
 
 def _bucket(n: int, multiple: int) -> int:
     return max(multiple, -(-n // multiple) * multiple)
-
-
-def _seen(prompt_1P, prompt_len, V: int):
-    """[V] bool: the tokens among the first ``prompt_len`` of ``prompt_1P``."""
-    P = prompt_1P.shape[1]
-    ids = jnp.where(jnp.arange(P) < prompt_len, prompt_1P[0], V)  # padding: out of range, dropped
-    return jnp.zeros((V,), bool).at[ids].set(True, mode="drop")
-
-
-def _counted(counts_V, new_K, n_new):
-    """``counts_V`` plus the first ``n_new`` of ``new_K``."""
-    K, V = new_K.shape[0], counts_V.shape[0]
-    live = (jnp.arange(K) < n_new).astype(jnp.int32)
-    return counts_V + jnp.zeros((V,), jnp.int32).at[new_K].add(live, mode="drop")
-
-
-def _recounted(st: Stream, new_K, n_new, pen: Optional[Penalties]):
-    """The stream's counts after committing the first ``n_new`` of ``new_K`` (None where it keeps none). Under a
-    batch flag (``pen.any``) a batch whose rows do not penalise skips the update: their counts are never read, and
-    a row that penalises does so on every step it takes, so the flag is set whenever its counts move."""
-    if st.counts is None:
-        return None
-    if pen is None or pen.any is None:
-        return _counted(st.counts, new_K, n_new)
-    return jax.lax.cond(pen.any, lambda: _counted(st.counts, new_K, n_new), lambda: st.counts)
-
-
-def _penalized(logits_KV, st: Stream, drafts_k, pen: Optional[Penalties]):
-    """A step's logits at its K positions under ``pen``: position j counts the stream's generated tokens and the
-    drafts before it (``drafts_k`` [K - 1]; position j predicts the token after the anchor and drafts 1..j); then,
-    for a constrained stream, masked to the tokens its automaton allows there (``_constrained``)."""
-    z = logits_KV
-    if pen is not None and st.counts is not None:
-        V = logits_KV.shape[-1]
-        hot = jnp.zeros((drafts_k.shape[0], V), jnp.int32).at[jnp.arange(drafts_k.shape[0]), drafts_k].set(1)
-        counts_KV = st.counts[None] + jnp.concatenate([jnp.zeros((1, V), jnp.int32), jnp.cumsum(hot, axis=0)])
-        z = penalize(logits_KV, counts_KV, st.prompt_seen, pen, st.bias, st.stop_ids, st.min_tokens)
-    return z if st.fsm is None else _constrained(z, st, drafts_k)
-
-
-def _fsm_step(st: Stream, q, token):
-    """The automaton's state after ``token`` from ``q`` (-1 stays -1: unconstrained, or past a token it refused)."""
-    return jnp.where(q >= 0, st.fsm_next[jnp.maximum(q, 0), st.fsm_class[token]], -1)
-
-
-def _constrained(logits_KV, st: Stream, drafts_k):
-    """``jdspark.grammar``'s mask: position j keeps {v : next[q_j, v] >= 0}, q_0 the stream's state and q_{j+1} =
-    next[q_j, draft j]; a position whose state is -1 keeps every token (an unconstrained stream; or a position past
-    a draft the automaton refused: that draft has probability 0 where it stands, so nothing past it is read)."""
-    q, states = st.fsm, [st.fsm]
-    for j in range(drafts_k.shape[0]):
-        q = _fsm_step(st, q, drafts_k[j])
-        states.append(q)
-    q_K = jnp.stack(states)
-    ok_KV = (q_K[:, None] < 0) | (jnp.take(st.fsm_next[jnp.maximum(q_K, 0)], st.fsm_class, axis=1) >= 0)
-    return jnp.where(ok_KV, logits_KV, -jnp.inf)
-
-
-def _advanced(st: Stream, new_K, n_new):
-    """The stream's automaton state after committing the first ``n_new`` of ``new_K`` (None without one)."""
-    if st.fsm is None:
-        return None
-    q = st.fsm
-    for j in range(new_K.shape[0]):
-        q = jnp.where(j < n_new, _fsm_step(st, q, new_K[j]), q)
-    return q
 
 
 def _emit(st: _Loop, new_K, n_new, eos_id, max_new: int, stream=None):
@@ -437,10 +371,10 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     if penalties is not None:
         V = last_logits.shape[-1]
         row = _with_controls(row, V, controls)
-        row.prompt_seen = _seen(prompt_1P, prompt_len, V)
+        row.prompt_seen = seen(prompt_1P, prompt_len, V)
     if grammar is not None:
         row.fsm, row.fsm_next, row.fsm_class = (jnp.asarray(g, jnp.int32) for g in grammar)
-    first = sample(k0, _penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
+    first = sample(k0, penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
     row = _first(row, first)
     if logprobs is not None:
         return row, first, (token_logprobs(last_logits[None], first, logprobs), prompt_lp)
@@ -449,8 +383,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
 
 def _first(row: Stream, first_1) -> Stream:
     """The stream with its first generated token as the anchor (and counted)."""
-    counts = None if row.counts is None else _counted(row.counts, first_1, 1)
-    return dataclasses.replace(row, anchor=first_1, counts=counts, fsm=_advanced(row, first_1, 1))
+    counts = None if row.counts is None else counted(row.counts, first_1, 1)
+    return dataclasses.replace(row, anchor=first_1, counts=counts, fsm=advanced(row, first_1, 1))
 
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
@@ -483,10 +417,10 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     new = Stream(None, cache, dcache, key)
     if penalties is not None:  # the kept prompt's tokens and the extension's are the prompt; nothing generated
         new = _with_controls(new, row.counts.shape[0], controls)
-        new.prompt_seen = row.prompt_seen | _seen(ext_1E, ext_len, row.prompt_seen.shape[0])
+        new.prompt_seen = row.prompt_seen | seen(ext_1E, ext_len, row.prompt_seen.shape[0])
     if row.fsm is not None:  # a constrained request is never a prefix-cache hit (``SlotBackend.insert``)
         new.fsm, new.fsm_next, new.fsm_class = jnp.int32(-1), row.fsm_next, row.fsm_class
-    first = sample(k0, _penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
+    first = sample(k0, penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
     new = _first(new, first)
     if logprobs is not None:
         return new, first, (token_logprobs(last_1V, first, logprobs), None)
@@ -511,16 +445,16 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: O
         res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
     with jax.named_scope("accept"):
         logits_1V = res.logits.reshape(1, -1)
-        nxt = sample(k, _penalized(logits_1V, st, jnp.zeros((0,), jnp.int32), penalties), sp)
+        nxt = sample(k, penalized(logits_1V, st, jnp.zeros((0,), jnp.int32), penalties), sp)
     dcache = st.dcache
     if drafter is not None:
         with jax.named_scope("append_context"):
             dcache = drafter.append_context(st.dcache, res.taps, 1, start_pos=st.cache.length)
     one = jnp.int32(1)
     lp = None if logprobs is None else when(want_logprobs, logits_1V, nxt, logprobs)
-    counts = _recounted(st, nxt, 1, penalties)
+    counts = recounted(st, nxt, 1, penalties)
     return (dataclasses.replace(st, anchor=nxt, cache=res.cache, dcache=dcache, key=key, counts=counts,
-                                fsm=_advanced(st, nxt, 1)),
+                                fsm=advanced(st, nxt, 1)),
             StepOut(nxt, one, jnp.int32(0), jnp.int32(0), logprobs=lp))
 
 
@@ -535,7 +469,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     ``confidence`` (static): also return the confidence head's survival of this block's max(W - 1, 1) drafts (an
     adaptive scheduler reads it to choose the next step's width; only those drafts are decoded, ``draft_block``);
     ``logprobs`` / ``want_logprobs``: as ``plain_step``'s (token j of new_K reads the verified logits at j);
-    ``penalties``: verified position j's logits penalised with the drafts before it counted (``_penalized``).
+    ``penalties``: verified position j's logits penalised with the drafts before it counted (``penalized``).
     Returns (Stream, StepOut with new_K of ``width`` tokens)."""
     G = drafter.config.block_size
     W = G + 1 if width is None else int(width)
@@ -560,16 +494,16 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     with jax.named_scope("verify"):
         ver = target.forward(block, st.cache, mode="verify", tap_layers=taps)
     with jax.named_scope("accept"):
-        m, nxt = accept(k_acc, drafts, logq, _penalized(ver.logits[0], st, drafts, penalties), n_verify, sp)
+        m, nxt = accept(k_acc, drafts, logq, penalized(ver.logits[0], st, drafts, penalties), n_verify, sp)
     with jax.named_scope("commit"):
         cache = select_verified(ver.cache, ver.kda_rollback, ver.conv_states, n, (m + 1)[None])
     with jax.named_scope("append_context"):
         dcache = drafter.append_context(st.dcache, ver.taps, m + 1, start_pos=n)
     new = jnp.concatenate([drafts, jnp.zeros((1,), jnp.int32)]).at[m].set(nxt)
     lp = None if logprobs is None else when(want_logprobs, ver.logits[0], new, logprobs)
-    counts = _recounted(st, new, m + 1, penalties)
+    counts = recounted(st, new, m + 1, penalties)
     return (dataclasses.replace(st, anchor=nxt[None], cache=cache, dcache=dcache, key=key, counts=counts,
-                                fsm=_advanced(st, new, m + 1)),
+                                fsm=advanced(st, new, m + 1)),
             StepOut(new, m + 1, n_verify, m, survival, lp))
 
 
