@@ -10,8 +10,8 @@ anchor, RNG key), plus per-slot sampling parameters and draft caps on the host. 
     MLA and drafter lengths per row: batch 1 inside the map)
 
 ``insert`` prefills one prompt at batch 1 (its length bucketed) and writes the row into its slot (slot index
-traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` (``jdspark.slot_startup``) before the
-server says ready.
+traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` (``jdspark.slot_startup``)
+before the server says ready.
 
 Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``multi_step_max_batch`` one launch may
 run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the engine has no request waiting for
