@@ -413,7 +413,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     plan = multi_step_plan(jax.default_backend())
     a.multi_step = plan[0] if a.multi_step is None else a.multi_step
     a.multi_step_max_batch = plan[1] if a.multi_step_max_batch is None else a.multi_step_max_batch
-    if a.multi_step_plain_max_batch is None:
+    plain_given = a.multi_step_plain_max_batch is not None
+    if not plain_given:
         a.multi_step_plain_max_batch = plan[2]
     if a.multi_step < 1:
         ap.error(f"--multi-step: expected an int >= 1, got {a.multi_step}")
@@ -422,6 +423,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.multi_step_plain_max_batch < 0:
         ap.error(f"--multi-step-plain-max-batch: expected an int >= 0 (0: every batch bucket), got "
                  f"{a.multi_step_plain_max_batch}")
+    wide_top, plain_top = (n or a.slots for n in (a.multi_step_max_batch, a.multi_step_plain_max_batch))  # 0: all
+    if plain_top < wide_top:
+        if plain_given:
+            ap.error(f"--multi-step-plain-max-batch: expected at least --multi-step-max-batch ({wide_top}), got "
+                     f"{a.multi_step_plain_max_batch}")
+        a.multi_step_plain_max_batch = a.multi_step_max_batch  # the platform's default, below the flag given
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.max_n < 1:

@@ -132,9 +132,10 @@ class SlotBackend(StartUp):
         # up to multi_step_plain_max_batch (default: the same)
         self.multi_step, self.multi_step_max_batch = int(multi_step), int(multi_step_max_batch)
         plain = multi_step_max_batch if multi_step_plain_max_batch is None else int(multi_step_plain_max_batch)
-        if plain < 1:
-            raise ValueError(f"multi_step_plain_max_batch: expected >= 1, got {plain}")
-        self.multi_step_plain_max_batch = max(plain, self.multi_step_max_batch)
+        if plain < self.multi_step_max_batch:  # a bucket whose wide launches run several steps runs its plain ones so
+            raise ValueError(f"multi_step_plain_max_batch: expected >= multi_step_max_batch "
+                             f"({self.multi_step_max_batch}), got {plain}")
+        self.multi_step_plain_max_batch = plain
         self.target, self.drafter = serving_pair(target, drafter)
         self.source, self.cfg = target, target.config  # source: the loaded target (its vision tower encodes images)
         self.num_slots, self.max_len = int(num_slots), int(max_len)

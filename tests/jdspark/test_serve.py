@@ -1018,6 +1018,14 @@ def test_server_flags_reach_the_slots():
         assert (backend.steps_at(8, 1), backend.steps_at(8, backend.G + 1)) == at8
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-plain-max-batch", "-1"])
+    with pytest.raises(SystemExit):  # plain launches multi-step wherever wide ones do: a lower one given is refused
+        serve.parse_args(["--multi-step-max-batch", "8", "--multi-step-plain-max-batch", "4"])
+    a = serve.parse_args(["--slots", "32", "--multi-step-max-batch", "0"])  # the default 16 follows the flag given
+    assert a.multi_step_plain_max_batch == 0
+    from jdspark.slots import SlotBackend
+
+    with pytest.raises(ValueError, match="multi_step_plain_max_batch: expected >= multi_step_max_batch"):
+        SlotBackend(None, None, multi_step_max_batch=8, multi_step_plain_max_batch=4)
     sys.path.insert(0, "scripts")
     import bench_serve
 
