@@ -97,7 +97,7 @@ _LONGEST_FIRST = (  # seventeenth session: every file over 8 s in one cold singl
     "test_bench_slots.py", "jdspark/test_shipped_pair.py", "jdspark/test_drafter.py", "jdspark/test_sampling.py",
     "jdspark/test_distill_corpus.py", "test_bench_step_cost.py", "parity/test_vision_transformers.py",
     "sharding/test_multihost.py", "sharding/test_mesh_rules.py", "parity/test_dspark_speculators.py",
-    "jdspark/test_serve.py",
+    "jdspark/test_serve_load.py",  # forty-seventh: test_serve.py split in three; the flags' real engines here
 )
 
 

@@ -5,10 +5,12 @@ prompt's last byte + 1 + the request's seed (so choices of ``n`` differ), so a r
 came from the prefix cache; a request that asks for log-probabilities gets ``scripted_logprob``'s (known in
 advance too)."""
 
+import json
 import socket
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from jdspark.engine import Engine, StepOutput
@@ -124,3 +126,39 @@ def expected_text(prompt: str, n: int, seed: int = 0) -> str:
     """The scripted backend's completion: bytes counting up from the prompt's last byte + 1 + seed."""
     b = prompt.encode()[-1] + seed
     return bytes((b + 1 + i) % 256 for i in range(n)).decode("latin-1")
+
+
+# ------------------------------------------------------------------ reading a live server
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def metrics(srv) -> str:
+    return httpx.get(srv.url + "/metrics").text
+
+
+def wait_idle(srv, timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = metrics(srv)
+        if metric(m, "vllm:num_requests_running") == 0 and metric(m, "vllm:num_requests_waiting") == 0:
+            return m
+        time.sleep(0.05)
+    raise AssertionError("requests did not drain")
+
+
+def sse_chunks(srv, path, body):
+    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}) as r:
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln and ln != "data: [DONE]"]
+
+
+def wait_for(srv, name, value, timeout=10):
+    deadline = time.time() + timeout
+    while metric(metrics(srv), name) != value:
+        assert time.time() < deadline, f"{name} never reached {value}"
+        time.sleep(0.02)
