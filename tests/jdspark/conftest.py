@@ -20,3 +20,14 @@ def sampling_form(request):
         yield form
     if other:
         jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def srv():
+    """A live server over the scripted backend (``serve_helpers.LiveServer``): 4 slots, a queue of 8 (the 429
+    test fills it); one per test module, so a module's tests see one another's traffic and no other module's."""
+    from tests.jdspark.serve_helpers import LiveServer
+
+    s = LiveServer(num_slots=4, max_waiting=8)
+    yield s
+    s.close()

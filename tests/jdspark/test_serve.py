@@ -11,15 +11,7 @@ import pytest
 
 from jdspark.serve_request import ApiError, prompt_ids
 from kimi.tokenizer import ByteTokenizer
-from tests.jdspark.serve_helpers import LiveServer, expected_text, sse_chunks
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = LiveServer(num_slots=4, max_waiting=8)
-    yield s
-    s.close()
-
+from tests.jdspark.serve_helpers import expected_text, sse_chunks
 
 
 def test_ping_version_and_model_retrieval(srv):

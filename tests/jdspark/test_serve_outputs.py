@@ -14,7 +14,6 @@ from jdspark.json_schema import schema_regex
 from jdspark.serve_request import ApiError, parse_completion
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import (
-    LiveServer,
     expected_text,
     metric,
     metrics,
@@ -24,13 +23,6 @@ from tests.jdspark.serve_helpers import (
     wait_for,
     wait_idle,
 )
-
-
-@pytest.fixture(scope="module")
-def srv():
-    s = LiveServer(num_slots=4, max_waiting=8)
-    yield s
-    s.close()
 
 
 def test_logprobs_of_completions_and_chat_streamed_and_not(srv):
