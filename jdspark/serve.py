@@ -429,6 +429,18 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--multi-step-plain-max-batch: expected at least --multi-step-max-batch ({wide_top}), got "
                      f"{a.multi_step_plain_max_batch}")
         a.multi_step_plain_max_batch = a.multi_step_max_batch  # the platform's default, below the flag given
+    for flag, value, low in (("--slots", a.slots, 1), ("--max-len", a.max_len, 1), ("--max-waiting", a.max_waiting, 0)):
+        if value < low:
+            ap.error(f"{flag}: expected an int >= {low}, got {value}")
+    if not 0 <= a.port <= 65535:
+        ap.error(f"--port: expected 0..65535, got {a.port}")
+    try:
+        buckets = [int(x) for x in a.prompt_buckets.split(",")]
+    except ValueError:
+        buckets = []
+    if not buckets or min(buckets) < 1:
+        ap.error(f"--prompt-buckets: expected comma-separated positive ints (e.g. 64,128,256), got "
+                 f"{a.prompt_buckets!r}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.max_n < 1:
@@ -444,6 +456,9 @@ def make_engine(a: argparse.Namespace):
     """Load the pair and build the slots, metrics and engine a server of these arguments serves with (not yet
     warmed up or started). Returns (engine, backend, target, tokenizer, metrics, model name)."""
     tdir, ddir = os.path.join(a.checkpoint, "target"), os.path.join(a.checkpoint, "drafter")
+    if not os.path.isfile(os.path.join(tdir, "config.json")):
+        raise ValueError(f"--checkpoint {a.checkpoint}: expected a folder with target/config.json (and drafter/), "
+                         f"found no {os.path.join(tdir, 'config.json')}")
     target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": a.serving_dtype})
     drafter = load_drafter(ddir, target=target) if a.spec != "off" and os.path.isdir(ddir) else None
     drafter = apply_context_window(drafter, a.drafter_window)
@@ -468,7 +483,11 @@ def main(argv=None) -> int:
     then serve (``/health`` answers 503 until the compiles are done)."""
     a = parse_args(argv)
     use_compile_cache(a.compile_cache)
-    engine, backend, target, tok, metrics, name = make_engine(a)
+    try:
+        engine, backend, target, tok, metrics, name = make_engine(a)
+    except (ValueError, OSError) as e:  # a checkpoint or flag the pair cannot serve: say what, without a traceback
+        print(f"python -m jdspark.serve: error: {e}", file=sys.stderr)
+        return 2
     ready = threading.Event()
 
     def warm():

@@ -180,6 +180,8 @@ def main(argv=None) -> int:
         ap.error("--max-new-tokens and --repeats must be >= 1")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
+    if not os.path.isdir(a.checkpoint):
+        ap.error(f"--checkpoint {a.checkpoint}: no such folder (expected one with target/ and drafter/)")
     prompt = DEMO_PROMPT if a.prompt is None else a.prompt
 
     target, drafter, note = load_pair(a.checkpoint, a.serving_dtype)

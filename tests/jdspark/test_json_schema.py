@@ -355,6 +355,8 @@ def test_generate_script_builds_the_constraint(tmp_path):
     for js, rx in (("{}", "a"), ('{"type": "number", "multipleOf": 1}', None), ("{bad", None)):
         with pytest.raises(SystemExit):
             gen.constraint(ap, argparse.Namespace(json_schema=js, regex=rx), tok, cfg)
+    with pytest.raises(SystemExit):  # a checkpoint folder that is not there: a usage error, not a random pair
+        gen.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x"])
 
 
 def test_token_classes_rebuild_the_table():

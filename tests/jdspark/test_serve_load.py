@@ -270,7 +270,7 @@ def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
         loop.close()
 
 
-def test_server_flags_reach_the_slots():
+def test_server_flags_reach_the_slots(capsys):
     """--multi-step-max-batch sets the largest batch bucket launched several steps at a time (default: the
     platform's plan, 4 on a CPU, every bucket on a GPU; 0: every bucket), is checked, and make_engine hands it to
     the slots, as it does prefix caching and --guided-states (on by default); --compile-cache's default and "none";
@@ -340,6 +340,12 @@ def test_server_flags_reach_the_slots():
         assert (backend.steps_at(8, 1), backend.steps_at(8, backend.G + 1)) == at8
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-plain-max-batch", "-1"])
+    for bad in (["--slots", "0"], ["--max-len", "0"], ["--max-waiting", "-1"], ["--port", "70000"],
+                ["--prompt-buckets", "64,x"], ["--prompt-buckets", "0"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
+    assert serve.main(["--checkpoint", "/nonexistent/ckpt", "--compile-cache", "none"]) == 2  # no traceback
+    assert "expected a folder with target/config.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # plain launches multi-step wherever wide ones do: a lower one given is refused
         serve.parse_args(["--multi-step-max-batch", "8", "--multi-step-plain-max-batch", "4"])
     a = serve.parse_args(["--slots", "32", "--multi-step-max-batch", "0"])  # the default 16 follows the flag given
