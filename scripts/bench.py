@@ -291,6 +291,14 @@ def main(argv=None) -> int:
         ap.error("--temperature must be > 0 and --top-p in (0, 1]")
 
     ckpt = a.checkpoint or gen.DEFAULT_DIR
+    if not os.path.isdir(ckpt):
+        ap.error(f"--checkpoint {ckpt}: no such folder (expected one with target/ and drafter/)")
+    corpus_docs = None
+    if a.corpus:  # read before the pair loads: a wrong folder is said at once
+        try:
+            corpus_docs = workloads.documents_from_dir(a.corpus)
+        except (ValueError, OSError) as e:
+            ap.error(str(e))
     target, drafter, note = gen.load_pair(ckpt, a.serving_dtype or gen.DEFAULT_SERVING_DTYPE)
     print(f"[bench] {note}", file=sys.stderr)
     if drafter is None:
@@ -304,7 +312,7 @@ def main(argv=None) -> int:
             ap.error(str(e))
         sources = {"prompt_file": own}  # prompts already, not documents to cut them from
     elif a.corpus:
-        sources = {"corpus": workloads.documents_from_dir(a.corpus)}
+        sources = {"corpus": corpus_docs}
     else:
         sources = {w: workloads.documents(w) for w in a.workloads}
     passes = None
