@@ -291,8 +291,6 @@ def main(argv=None) -> int:
         ap.error("--temperature must be > 0 and --top-p in (0, 1]")
 
     ckpt = a.checkpoint or gen.DEFAULT_DIR
-    if not os.path.isdir(ckpt):
-        ap.error(f"--checkpoint {ckpt}: no such folder (expected one with target/ and drafter/)")
     corpus_docs = None
     if a.corpus:  # read before the pair loads: a wrong folder is said at once
         try:

@@ -41,8 +41,11 @@ DEFAULT_SERVING_DTYPE = "bfloat16"
 
 
 def load_pair(ckpt_dir: str, serving_dtype: str = DEFAULT_SERVING_DTYPE):
-    """(target, drafter, note). The shipped pair from ``ckpt_dir``; without it a tiny random pair, said loudly.
+    """(target, drafter, note). The shipped pair from ``ckpt_dir``; a folder without target/config.json gives a tiny
+    random pair, said loudly; no folder at all is an error (SystemExit naming it).
     ``serving_dtype``: the dtype of the matmul weights a generation serves (``KimiConfig.serving_dtype``)."""
+    if not os.path.isdir(ckpt_dir):  # every script's --checkpoint comes here: a typo is said, not served at random
+        raise SystemExit(f"--checkpoint {ckpt_dir}: no such folder (expected one with target/ and drafter/)")
     tdir, ddir = os.path.join(ckpt_dir, "target"), os.path.join(ckpt_dir, "drafter")
     if os.path.isfile(os.path.join(tdir, "config.json")):
         target = kimi.load_checkpoint(tdir, config_overrides={"serving_dtype": serving_dtype})
@@ -180,8 +183,6 @@ def main(argv=None) -> int:
         ap.error("--max-new-tokens and --repeats must be >= 1")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
-    if not os.path.isdir(a.checkpoint):
-        ap.error(f"--checkpoint {a.checkpoint}: no such folder (expected one with target/ and drafter/)")
     prompt = DEMO_PROMPT if a.prompt is None else a.prompt
 
     target, drafter, note = load_pair(a.checkpoint, a.serving_dtype)
