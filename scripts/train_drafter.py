@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -214,6 +215,8 @@ def parse_args(argv=None):
             p.error(f"--{k.replace('_', '-')} must be >= 1")
     if a.served_prompts < 0:
         p.error(f"--served-prompts: expected >= 0 (0 skips serving the drafter), got {a.served_prompts}")
+    if not os.path.isfile(os.path.join(a.target, "config.json")):
+        p.error(f"--target {a.target}: expected a target checkpoint folder (config.json + *.safetensors)")
     return a
 
 

@@ -93,6 +93,8 @@ def test_init_continues_from_a_saved_drafter(target_dir, trained, tmp_path):
     with pytest.raises(ValueError, match="deepened, not cut"):
         train_drafter.main(["--target", target_dir, "--out", str(tmp_path / "d"), "--init",
                             str(tmp_path / "export2"), "--layers", "1"] + args)
+    with pytest.raises(SystemExit):  # a --target that is not a checkpoint: a usage error before anything loads
+        train_drafter.main(["--target", str(tmp_path / "none"), "--out", str(tmp_path / "e")] + args)
 
 
 
