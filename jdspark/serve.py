@@ -195,8 +195,6 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             # best_of > n: every completion's own log-probabilities rank them (asked or not)
             ranked = x.sampling if x.best_of == x.n or x.sampling.logprobs is not None else dataclasses.replace(
                 x.sampling, logprobs=0)
-            if not x.ignore_eos and engine.eos is not None and engine.eos not in ranked.stop_token_ids:
-                ranked = dataclasses.replace(ranked, stop_token_ids=ranked.stop_token_ids + (engine.eos,))
             for j in range(x.best_of):
                 i = len(reqs)
                 reqs.append(EngineRequest(

@@ -185,8 +185,10 @@ class SlotBackend(StartUp):
             raise ValueError(f"max_logprobs: expected None or 0..{self.cfg.vocab_size}, got {max_logprobs}")
         self.max_logprobs = None if max_logprobs is None else int(max_logprobs)
         # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none), repetition,
-        # frequency and presence penalties, whether it has logit controls, min_p
-        self.params = np.zeros((self.num_slots, 10), np.float64)
+        # frequency and presence penalties, whether it has logit controls, min_p, whether it ends at EOS (its
+        # stop_token_ids hold EOS and no min_tokens holds them back: a multi-step launch stops once all its rows
+        # have, ``slot_programs.step_rows``)
+        self.params = np.zeros((self.num_slots, 11), np.float64)
         self.free_all_params()
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
@@ -266,7 +268,8 @@ class SlotBackend(StartUp):
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
         grammar = self._grammar(req)
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p)
+        ends = self.cfg.eos_token_id is not None and self.cfg.eos_token_id in req.stop_token_ids and not req.min_tokens
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p, ends)
         samp = (req.temperature, top_k, req.top_p, req.min_p)
         self.modes[slot] = mode
         self.tracker.reset(slot)
@@ -478,7 +481,7 @@ class SlotBackend(StartUp):
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         host_bC = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:10]]).astype(np.float32)
+                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:11]]).astype(np.float32)
         # (slot_programs.HOST_COLUMNS)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
@@ -488,24 +491,27 @@ class SlotBackend(StartUp):
     def collect(self, h: dict) -> dict:
         """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
         launch (its request ended and another took it) still gets its rows, which the engine drops; the scheduler
-        ignores them."""
+        ignores them. A launch whose rows had all ended at EOS stopped early (``step_rows``): the steps it did not run
+        (n_new 0) are in no slot's list."""
         out = h["out"]
         new, n_new, drafted, accepted, surv = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted,
                                                                out.survival))
         done = time.perf_counter()
         b, W, k_steps = h["b"], h["W"], h["steps"]
+        n_new = np.asarray(n_new).reshape(k_steps, -1)
+        ran = int((n_new > 0).any(axis=1).sum())  # steps run: every run step commits >= 1 token a row
         key, last = (b, W), (b, W, h["extend"])
         # serving: the table warm_up measured follows the steps served, in steady state only. Pipelined, a step's
         # time (from the previous one's end to its own) also holds the host's commit of the previous step's tokens,
         # so it is timed only after a step of the same (b, W) (a plain step after a whole block would carry the
         # block's commit), and not when it shared the device with a prefill (an insert between launch and now)
         if (h["timed"] and key in self.timings and h["prefills"] == sum(self.inserts)
-                and self._last_key == last):
+                and self._last_key == last and ran == k_steps):
             self.timings.observe(key, (done - max(h["launched"], self._last_done)) / k_steps, served=True)
             self.costs = self.timings.table
         self._last_done, self._last_key = done, last
         new = np.asarray(new).reshape(k_steps, b, -1)
-        n_new, drafted, accepted = (np.asarray(x).reshape(k_steps, -1) for x in (n_new, drafted, accepted))
+        drafted, accepted = (np.asarray(x).reshape(k_steps, -1) for x in (drafted, accepted))
         surv = None if surv is None else np.asarray(surv).reshape(k_steps, b, -1)
         lp = None
         if max(h["tops"]) >= 0:  # some row asked: its tokens' log-probabilities (``jdspark.logprobs``)
@@ -515,7 +521,7 @@ class SlotBackend(StartUp):
         for j, (s, ins, top) in enumerate(zip(h["slots"], h["inserts"], h["tops"])):
             i = s if h["all_slots"] else j
             res[s] = []
-            for t in range(k_steps):
+            for t in range(ran):
                 k = int(n_new[t, i])
                 entries = None if top < 0 else host_entries(*(x[t, i] for x in lp), k, top)
                 res[s].append(StepOutput(new[t, i, :k].tolist(), drafted=int(drafted[t, i]),
@@ -536,7 +542,7 @@ class SlotBackend(StartUp):
         return (0, self.G) if self.drafter is not None else (0,)
 
     def free(self, slot: int) -> None:
-        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0)
+        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     def free_all_params(self) -> None:
         """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""

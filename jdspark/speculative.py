@@ -113,6 +113,9 @@ class Stream:
     fsm: Optional[jax.Array] = None
     fsm_next: Optional[jax.Array] = None
     fsm_class: Optional[jax.Array] = None
+    # bool: the stream has committed EOS where its request ends at EOS (a serving step sets it,
+    # ``slot_programs.step_rows``: a multi-step launch stops once all its rows have); False from the first token on
+    ended: Optional[jax.Array] = None
 
 
 # the Stream fields a step never changes (a request's own settings, written at its prefill): a serving step of some
@@ -384,7 +387,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
 def _first(row: Stream, first_1) -> Stream:
     """The stream with its first generated token as the anchor (and counted)."""
     counts = None if row.counts is None else counted(row.counts, first_1, 1)
-    return dataclasses.replace(row, anchor=first_1, counts=counts, fsm=advanced(row, first_1, 1))
+    return dataclasses.replace(row, anchor=first_1, counts=counts, fsm=advanced(row, first_1, 1),
+                               ended=jnp.zeros((), jnp.bool_))
 
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
