@@ -68,8 +68,8 @@ class SamplingRequest:
     presence_penalty: float = 0.0
     logit_bias: tuple = ()  # ((token id, value), ...): OpenAI's logit_bias (``sampling.LogitControls``)
     min_tokens: int = 0  # vLLM's: ``stop_token_ids`` not drawn, and stop strings not matched, before this many tokens
-    stop_token_ids: tuple = ()  # ids that end the request as EOS does (vLLM's; the server adds EOS unless the
-    # request ignores it), which min_tokens holds back
+    stop_token_ids: tuple = ()  # ids that end the request as EOS does (vLLM's; ``Engine.submit_all`` adds EOS unless
+    # the request ignores it), which min_tokens holds back
     min_p: float = 0.0  # ``sampling.SamplingParams.min_p`` (0: off)
     allowed_token_ids: tuple = ()  # vLLM's: the only tokens that may be drawn (empty: all), a logit control
     grammar: Optional[object] = dataclasses.field(default=None, compare=False)  # ``jdspark.grammar.TokenFSM``: the
