@@ -241,3 +241,17 @@ def test_kv_cache_usage_is_the_running_requests_positions_over_the_slots_caches(
     assert eng.kv_usage() == (10 + 7) / 100
     Backend.max_len = None
     assert eng.kv_usage() == 0.0
+
+
+def test_eos_joins_the_stop_ids_a_backend_is_handed_unless_ignored():
+    """``Engine.submit_all``: EOS is one of the ids that end a request (vLLM's), so a backend knows where a request
+    ends (``slot_programs.step_rows`` stops a launch of rows all ended there) and min_tokens holds EOS back; a request
+    that ignores EOS, or already lists it, is handed as it came."""
+    eng = Engine(PipelinedBackend(2, 1), ByteTokenizer(), eos_token_id=7)  # not started: submit only queues
+    reqs = [Request(SamplingRequest(prompt_ids=(1,), max_tokens=4, stop_token_ids=st), lambda ev: None,
+                    ignore_eos=ig) for st, ig in (((), False), ((3,), False), ((), True), ((7, 3), False))]
+    eng.submit_all(reqs)
+    assert [r.sampling.stop_token_ids for r in reqs] == [(7,), (3, 7), (), (7, 3)]
+    no_eos = Engine(PipelinedBackend(1, 1), ByteTokenizer(), eos_token_id=None)
+    assert no_eos.submit(Request(SamplingRequest(prompt_ids=(1,), max_tokens=4), lambda ev: None)).sampling \
+        .stop_token_ids == ()
