@@ -23,14 +23,17 @@ from jdspark.sampling import Penalties, SamplingParams
 from jdspark.speculative import REQUEST_CONSTANT, plain_step, prefill_stream, spec_step
 from kimi import dispatch
 
-__all__ = ["insert_row", "step_rows", "HOST_COLUMNS", "SAMPLING_OFF"]
+__all__ = ["insert_row", "step_rows", "HOST_COLUMNS", "SAMPLING_OFF", "STOP_IDS"]
 
 # a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
 SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
 
+# the most stop ids of a request (its EOS among them) a step knows on the device, to stop a launch early
+STOP_IDS = 4
 # step_rows' per-row host inputs, in this order, packed into one float32 [b, HOST_COLUMNS] array
 HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs", "repetition_penalty",
-                "frequency_penalty", "presence_penalty", "logit_controls", "min_p", "ends_at_eos")
+                "frequency_penalty", "presence_penalty", "logit_controls", "min_p",
+                *(f"stop_id_{j}" for j in range(STOP_IDS)))
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs", "penalties"),
@@ -76,21 +79,22 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
     """``steps`` steps of b rows, each at ``width``; outputs stacked [steps, b, ...]. ``host_bC``: float32 [b,
     len(HOST_COLUMNS)], per row its slot index, top_k, temperature, top_p, draft cap, whether it wants log-probabilities
     (> 0), its three penalties, whether it has logit controls (> 0: a logit_bias or min_tokens, which the penalties'
-    batch flag covers too), its min_p and whether its request ends at EOS (> 0), the host's inputs packed into one array
-    (the integers are exact in float32 below 2^24): each array a launch takes from the host is a transfer of its own,
-    ~60 us apiece on the H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its first copy is
-    written back, and copies compute the same thing. ``all_slots``: the rows are every slot in order, so the state is
-    stepped as it is (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps`` > 1 (a
-    ``lax.while_loop``): one launch, one gather and scatter and one read-back for several steps (multi-step scheduling:
-    the host's round trip per step is what a batch-1 step spends most on here). ``extend_context`` False (width 1 only):
-    the plain step leaves the drafter's context as it is (no drafter work at all): for rows that never draft (draft cap
-    0 for their whole request).
+    batch flag covers too), its min_p and up to STOP_IDS ids its request ends at (-1: none), the host's inputs packed
+    into one array (the integers are exact in float32 below 2^24): each array a launch takes from the host is a transfer
+    of its own, ~60 us apiece on the H200 (docs/h200/run4). Slot indices: a padded bucket may repeat a row: only its
+    first copy is written back, and copies compute the same thing. ``all_slots``: the rows are every slot in order, so
+    the state is stepped as it is (no gather of the rows and scatter back: ~2 x the state's bytes of copying). ``steps``
+    > 1 (a ``lax.while_loop``): one launch, one gather and scatter and one read-back for several steps (multi-step
+    scheduling: the host's round trip per step is what a batch-1 step spends most on here). ``extend_context`` False
+    (width 1 only): the plain step leaves the drafter's context as it is (no drafter work at all): for rows that never
+    draft (draft cap 0 for their whole request).
 
-    Early exit: a row whose request ends at EOS (host column ``ends_at_eos``) is ``ended`` once a step commits EOS,
-    and a multi-step launch runs its steps only while one of its rows has not ended (a ``lax.while_loop``; a step
-    not run gives n_new 0). So the launch the engine put in flight before it saw a request's EOS, and the rest of
-    the launch that committed it, cost no device time: at c = 1 the next request's prefill no longer waits behind
-    up to ``steps`` steps of a request already done (docs/serving.md)."""
+    Early exit: a row is ``ended`` once a step commits one of the ids its request ends at (host columns
+    ``stop_id_*``: its stop ids, EOS among them unless it ignores EOS), and a multi-step launch runs its steps only
+    while one of its rows has not ended (a ``lax.while_loop``; a step not run gives n_new 0). So the launch the
+    engine put in flight before it saw a request's end, and the rest of the launch that committed it, cost no device
+    time: at c = 1 the next request's prefill no longer waits behind up to ``steps`` steps of a request already done
+    (docs/serving.md)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     rows_b, topk_b, cap_b = (host_bC[:, j].astype(jnp.int32) for j in (0, 1, 4))
     temp_b, topp_b, minp_b = host_bC[:, 2], host_bC[:, 3], host_bC[:, 10]
@@ -120,17 +124,15 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
         with dispatch.mapped_rows(int(rows_b.shape[0])):
             return jax.vmap(one)(rows_state, temp_b, topk_b, topp_b, minp_b, cap_b, pen_b3)
 
-    eos = target.config.eos_token_id
-    ends_b = host_bC[:, 11] > 0
+    stops_bS = host_bC[:, 11:11 + STOP_IDS].astype(jnp.int32)  # -1: none
 
     def stepped(rows_state):
-        """One step of the rows; a row that commits EOS (within its n_new tokens) and ends there is ended."""
+        """One step of the rows; a row that commits one of its stop ids (within its n_new tokens) is ended."""
         new, out = mapped(rows_state)
-        if eos is not None:
-            K = out.new_K.shape[-1]
-            hit_b = jnp.any((out.new_K == eos) & (jnp.arange(K)[None] < out.n_new[:, None]), axis=1)
-            new = dataclasses.replace(new, ended=new.ended | (hit_b & ends_b))
-        return new, out
+        K = out.new_K.shape[-1]
+        hit_bKS = (out.new_K[:, :, None] == stops_bS[:, None, :]) & (stops_bS[:, None, :] >= 0)
+        hit_b = jnp.any(hit_bKS & (jnp.arange(K)[None, :, None] < out.n_new[:, None, None]), axis=(1, 2))
+        return dataclasses.replace(new, ended=new.ended | hit_b), out
 
     if steps == 1:
         new, out = stepped(sub)

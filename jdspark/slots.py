@@ -49,7 +49,7 @@ from jdspark.graphs import split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
-from jdspark.slot_programs import SAMPLING_OFF, insert_row, step_rows
+from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, insert_row, step_rows
 from jdspark.slot_startup import StartUp
 from jdspark.speculative import prefill_stream, serving_pair
 from kimi import dispatch
@@ -185,10 +185,10 @@ class SlotBackend(StartUp):
             raise ValueError(f"max_logprobs: expected None or 0..{self.cfg.vocab_size}, got {max_logprobs}")
         self.max_logprobs = None if max_logprobs is None else int(max_logprobs)
         # per slot: temperature, top_k, top_p, draft cap, top log-probabilities asked (-1: none), repetition,
-        # frequency and presence penalties, whether it has logit controls, min_p, whether it ends at EOS (its
-        # stop_token_ids hold EOS and no min_tokens holds them back: a multi-step launch stops once all its rows
-        # have, ``slot_programs.step_rows``)
-        self.params = np.zeros((self.num_slots, 11), np.float64)
+        # frequency and presence penalties, whether it has logit controls, min_p, and up to STOP_IDS ids it ends at
+        # (-1: none; its stop_token_ids, EOS among them unless it ignores EOS, where no min_tokens holds them back:
+        # a multi-step launch stops once all its rows have committed one, ``slot_programs.step_rows``)
+        self.params = np.zeros((self.num_slots, 10 + STOP_IDS), np.float64)
         self.free_all_params()
         # verify widths: adaptive needs the drafter's confidence head (its survival curves)
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
@@ -268,8 +268,9 @@ class SlotBackend(StartUp):
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
         grammar = self._grammar(req)
-        ends = self.cfg.eos_token_id is not None and self.cfg.eos_token_id in req.stop_token_ids and not req.min_tokens
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p, ends)
+        stops = list(req.stop_token_ids)[:STOP_IDS] if not req.min_tokens else []  # more: the launch runs them all
+        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p,
+                             *stops, *[-1] * (STOP_IDS - len(stops)))
         samp = (req.temperature, top_k, req.top_p, req.min_p)
         self.modes[slot] = mode
         self.tracker.reset(slot)
@@ -481,7 +482,7 @@ class SlotBackend(StartUp):
         # only such rows runs without the drafter (``--spec off`` traffic pays no drafter work)
         extend = self.drafter is not None and (W > 1 or bool(caps.max() > 0))
         host_bC = np.column_stack([rows, self.params[rows, 1], self.params[rows, 0], self.params[rows, 2],
-                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:11]]).astype(np.float32)
+                                   caps, self.params[rows, 4] >= 0, self.params[rows, 5:]]).astype(np.float32)
         # (slot_programs.HOST_COLUMNS)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, host_bC),
                 dict(width=W, confidence=self.adaptive and W > 1, all_slots=len(rows) == self.num_slots,
@@ -542,7 +543,7 @@ class SlotBackend(StartUp):
         return (0, self.G) if self.drafter is not None else (0,)
 
     def free(self, slot: int) -> None:
-        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0, *[-1] * STOP_IDS)
 
     def free_all_params(self) -> None:
         """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""

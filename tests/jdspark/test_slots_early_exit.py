@@ -1,8 +1,9 @@
-"""A multi-step launch stops once every row of it has ended at EOS (``slot_programs.step_rows``' early exit): the
-rest of the launch that committed a request's EOS, and the launch the engine put in flight before it saw it, run no
-steps (their n_new 0, the slot's caches untouched), so at c = 1 the next request's prefill does not wait behind
-them. A row whose request goes on past EOS (``ignore_eos``: EOS not among its stop ids), or a launch with one row
-still going, runs every step. Served through the engine, such requests still equal batch-1 ``generate``."""
+"""A multi-step launch stops once every row of it has ended at one of its stop ids, EOS among them
+(``slot_programs.step_rows``' early exit): the rest of the launch that committed a request's end, and the launch the
+engine put in flight before it saw it, run no steps (their n_new 0, the slot's caches untouched), so at c = 1 the next
+request's prefill does not wait behind them. A row whose request goes on past EOS (``ignore_eos``: EOS not among its
+stop ids), or a launch with one row still going, runs every step. Served through the engine, such requests still
+equal batch-1 ``generate``."""
 
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 import jdspark
 from jdspark.engine import Engine, Request, SamplingRequest
+from jdspark.slot_programs import STOP_IDS
 from jdspark.slots import SlotBackend
 from kimi import KimiConfig
 from kimi.tokenizer import ByteTokenizer
@@ -66,6 +68,13 @@ def test_a_launch_stops_once_its_rows_have_ended_at_eos(case):
     be.insert(0, _req(prompt, eos, ends=False))
     got = be.collect(be.launch([0], width=1, steps=STEPS))[0]
     assert [o.tokens for o in got] == [[ref[1]], [eos], [ref[3]]]
+    # any of its stop ids ends a row (up to STOP_IDS of them on the device: one listed later lets the launch run on)
+    be.insert(0, _req(prompt, ref[1]))
+    assert [o.tokens for o in be.collect(be.launch([0], width=1, steps=STEPS))[0]] == [[ref[1]]]
+    others = [t for t in range(3, 64) if t not in ref[:4]][:STOP_IDS]
+    be.insert(0, SamplingRequest(tuple(int(x) for x in prompt), 20, speculative=False,
+                                 stop_token_ids=(*others, ref[1])))
+    assert len(be.collect(be.launch([0], width=1, steps=STEPS))[0]) == STEPS
     # two rows, one ended at EOS and one going on: the launch runs all its steps for both
     be.insert(0, _req(prompt, eos))
     be.insert(1, _req(prompt, eos, ends=False))
