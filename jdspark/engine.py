@@ -205,7 +205,7 @@ class Engine:
                 req.id = req.id or f"cmpl-{next(self._ids)}"
                 if not req.ignore_eos and self.eos is not None and self.eos not in req.sampling.stop_token_ids:
                     # EOS is one of the ids that end it (vLLM's): min_tokens holds it back too, and the backend
-                    # knows the request ends there (a launch of rows all ended at EOS stops: slot_programs.step_rows)
+                    # knows the request ends there (a launch whose rows have all ended stops: slot_programs.step_rows)
                     req.sampling = dataclasses.replace(
                         req.sampling, stop_token_ids=tuple(req.sampling.stop_token_ids) + (self.eos,))
                 req.decoder = self.tokenizer.incremental_decoder(keep_special=req.keep_special)

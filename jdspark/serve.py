@@ -327,6 +327,17 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
     return app
 
 
+def _positive_ints(text: str) -> tuple:
+    """``--prompt-buckets``' value: comma-separated positive ints."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints (e.g. 64,128,256), got {text!r}")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The server's command line (``python -m jdspark.serve --help``)."""
     ap = argparse.ArgumentParser(prog="python -m jdspark.serve", description=__doc__.splitlines()[0])
@@ -335,7 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-len", type=int, default=1024, help="cache positions per slot (prompt + completion)")
-    ap.add_argument("--prompt-buckets", default="64,128,256,512")
+    ap.add_argument("--prompt-buckets", type=_positive_ints, default=(64, 128, 256, 512), metavar="P,P,...",
+                    help="prompt lengths the prefill is compiled for (a prompt takes the smallest that fits)")
     ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
     ap.add_argument("--spec", choices=("off", "fixed", "adaptive"), default="adaptive",
                     help="off: plain decoding for every request; fixed: verify the drafter's whole block; adaptive: "
@@ -432,13 +444,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"{flag}: expected an int >= {low}, got {value}")
     if not 0 <= a.port <= 65535:
         ap.error(f"--port: expected 0..65535, got {a.port}")
-    try:
-        buckets = [int(x) for x in a.prompt_buckets.split(",")]
-    except ValueError:
-        buckets = []
-    if not buckets or min(buckets) < 1:
-        ap.error(f"--prompt-buckets: expected comma-separated positive ints (e.g. 64,128,256), got "
-                 f"{a.prompt_buckets!r}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.max_n < 1:
@@ -463,7 +468,7 @@ def make_engine(a: argparse.Namespace):
     tok = kimi.load_tokenizer(tdir, vocab_size=target.config.vocab_size)
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
-                          prompt_buckets=[int(x) for x in a.prompt_buckets.split(",")], prefill_chunk=a.prefill_chunk,
+                          prompt_buckets=a.prompt_buckets, prefill_chunk=a.prefill_chunk,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           multi_step_plain_max_batch=a.multi_step_plain_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,

@@ -492,8 +492,8 @@ class SlotBackend(StartUp):
     def collect(self, h: dict) -> dict:
         """Wait for a launch and return {slot: [StepOutput per step, in order]}. A slot prefilled again since the
         launch (its request ended and another took it) still gets its rows, which the engine drops; the scheduler
-        ignores them. A launch whose rows had all ended at EOS stopped early (``step_rows``): the steps it did not run
-        (n_new 0) are in no slot's list."""
+        ignores them. A launch whose rows had all ended (at EOS or a stop id) stopped early (``step_rows``): the
+        steps it did not run (n_new 0) are in no slot's list."""
         out = h["out"]
         new, n_new, drafted, accepted, surv = jax.device_get((out.new_K, out.n_new, out.drafted, out.accepted,
                                                                out.survival))

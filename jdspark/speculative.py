@@ -113,7 +113,7 @@ class Stream:
     fsm: Optional[jax.Array] = None
     fsm_next: Optional[jax.Array] = None
     fsm_class: Optional[jax.Array] = None
-    # bool: the stream has committed EOS where its request ends at EOS (a serving step sets it,
+    # bool: the stream has committed one of the ids its request ends at (EOS, its stop ids; a serving step sets it,
     # ``slot_programs.step_rows``: a multi-step launch stops once all its rows have); False from the first token on
     ended: Optional[jax.Array] = None
 
