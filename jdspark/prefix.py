@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jdspark.graphs import merge_module
 from jdspark.sampling import Penalties, SamplingParams
 from jdspark.speculative import extend_stream
+from jdspark.stop_strings import no_stops
 
 __all__ = ["PrefixPool", "PREFIX_MIN_TOKENS", "PENDING_ANSWERS", "default_pool_rows", "tree_bytes", "pool_like",
            "snapshot", "extend"]
@@ -180,4 +181,5 @@ def extend(t_graph, d_graph, t_state, d_state, state, pool, slot, row, ext_1E, e
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     new, first, *lp = extend_stream(target, drafter, kept, ext_1E, ext_len, key, sp, logprobs=logprobs,
                                     penalties=pen, controls=controls if penalties else None)
+    new = no_stops(new, state, slot)  # a request's stop strings: ``stop_strings.set_stops`` after this
     return (jax.tree.map(lambda s, r: s.at[slot].set(r), state, new), first, *lp)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jdspark.graphs import merge_module
 from jdspark.sampling import Penalties, SamplingParams
 from jdspark.speculative import REQUEST_CONSTANT, plain_step, prefill_stream, spec_step
+from jdspark.stop_strings import MATCHED, advance_stops, no_stops
 from kimi import dispatch
 
 __all__ = ["insert_row", "step_rows", "HOST_COLUMNS", "SAMPLING_OFF", "STOP_IDS"]
@@ -59,6 +60,7 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     if row.fsm is not None:  # the slot's automaton in the slots' numbering (``slot_automaton``)
         q, next_QC = slot_automaton(row.fsm, row.fsm_next, slot)
         row = dataclasses.replace(row, fsm=q, fsm_next=next_QC)
+    row = no_stops(row, state, slot)  # a request's stop strings: ``stop_strings.set_stops`` after this
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
     return (state, first, *lp)
 
@@ -90,7 +92,8 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
     draft (draft cap 0 for their whole request).
 
     Early exit: a row is ``ended`` once a step commits one of the ids its request ends at (host columns
-    ``stop_id_*``: its stop ids, EOS among them unless it ignores EOS), and a multi-step launch runs its steps only
+    ``stop_id_*``: its stop ids, EOS among them unless it ignores EOS) or its text comes to hold one of its stop
+    strings (the row's automaton, ``jdspark.stop_strings``), and a multi-step launch runs its steps only
     while one of its rows has not ended (a ``lax.while_loop``; a step not run gives n_new 0). So the launch the
     engine put in flight before it saw a request's end, and the rest of the launch that committed it, cost no device
     time: at c = 1 the next request's prefill no longer waits behind up to ``steps`` steps of a request already done
@@ -127,11 +130,15 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
     stops_bS = host_bC[:, 11:11 + STOP_IDS].astype(jnp.int32)  # -1: none
 
     def stepped(rows_state):
-        """One step of the rows; a row that commits one of its stop ids (within its n_new tokens) is ended."""
+        """One step of the rows; a row that commits one of its stop ids (within its n_new tokens), or whose text
+        then contains one of its stop strings (``jdspark.stop_strings``), is ended."""
         new, out = mapped(rows_state)
         K = out.new_K.shape[-1]
         hit_bKS = (out.new_K[:, :, None] == stops_bS[:, None, :]) & (stops_bS[:, None, :] >= 0)
         hit_b = jnp.any(hit_bKS & (jnp.arange(K)[None, :, None] < out.n_new[:, None, None]), axis=(1, 2))
+        if new.stop_q is not None:
+            q_b = advance_stops(new.stop_q, new.stop_next, new.stop_class, out.new_K, out.n_new)
+            new, hit_b = dataclasses.replace(new, stop_q=q_b), hit_b | (q_b == MATCHED)
         return dataclasses.replace(new, ended=new.ended | hit_b), out
 
     if steps == 1:

@@ -19,6 +19,7 @@ from jdspark.engine import SamplingRequest
 from jdspark.graphs import compile_programs
 from jdspark.prefix import extend, snapshot
 from jdspark.slot_programs import SAMPLING_OFF, insert_row, step_rows
+from jdspark.stop_strings import set_stops
 from kimi import dispatch
 
 __all__ = ["StartUp"]
@@ -40,6 +41,9 @@ class StartUp:
                 out.append((extend, self._extend_args(0, 0, padded, P, 0), self._extend_kw()))
         if self.prefix is not None:
             out.append((snapshot, (self.pool, self.state, np.int32(0), np.int32(0)), {}))
+        if self.stop_states:  # a request's stop strings, after its insert
+            out.append((set_stops, (self.state, np.int32(0), np.zeros((self.stop_states, self.stop_classes), np.int32),
+                                    np.zeros((self.cfg.vocab_size,), np.int32)), {}))
         for b in self.batch_buckets:
             rows = np.arange(b, dtype=np.int32)
             for w in self.widths:

@@ -17,8 +17,11 @@ Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``mu
 run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the engine has no request waiting for
 a slot; the engine commits them in order. A plain launch (width 1) may do so up to ``multi_step_plain_max_batch``:
 it has no drafts whose width would be planned from stale curves. Where one row's step is a few ms, the host's round
-trip per launch (dispatch, read-back, commit) is a large share of it; a row whose request ends mid-launch runs its
-remaining steps for nothing (at most ``multi_step - 1``).
+trip per launch (dispatch, read-back, commit) is a large share of it. A launch stops once all its rows have ended
+(``slot_programs.step_rows``): at one of a request's stop ids (EOS among them) or stop strings
+(``jdspark.stop_strings``: an automaton of up to ``stop_states`` states a slot, set by ``insert`` from
+``SamplingRequest.stop_fsm``); a row whose request ends otherwise (``max_tokens``, a stop string too large for the
+slot) runs the rest of its launch.
 Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a plain decode inside the block, or the
 drafter-free plain program when no row of the step drafts). Its insert still prefills the drafter's context (one
 insert program per prompt bucket; the drafter's share of a prefill is small), which it never reads.
@@ -52,6 +55,7 @@ from jdspark.sampling import Penalties, SamplingParams, logit_controls
 from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, insert_row, step_rows
 from jdspark.slot_startup import StartUp
 from jdspark.speculative import prefill_stream, serving_pair
+from jdspark.stop_strings import STOP_CLASSES, STOP_STATES, set_stops
 from kimi import dispatch
 from kimi.prefill import chunked_positions
 
@@ -121,7 +125,8 @@ class SlotBackend(StartUp):
                  multi_step_plain_max_batch: Optional[int] = None, prefix_pool: Optional[int] = 0,
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
                  max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0,
-                 guided_classes: int = GUIDED_CLASSES):
+                 guided_classes: int = GUIDED_CLASSES, stop_states: int = STOP_STATES,
+                 stop_classes: int = STOP_CLASSES):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -170,8 +175,21 @@ class SlotBackend(StartUp):
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
             controls=self._controls(), grammar=self._grammar()))
+        # stop strings (``jdspark.stop_strings``): every slot carries an automaton state and a table of up to
+        # stop_states states over stop_classes token classes (0: none), so a launch stops early at a stop string
+        if stop_states < 0 or stop_classes < 2:
+            raise ValueError(f"stop_states, stop_classes: expected >= 0 (0: off) and >= 2, got {stop_states}, "
+                             f"{stop_classes}")
+        self.stop_states, self.stop_classes = int(stop_states), int(stop_classes)
+        if self.stop_states:
+            i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+            row.stop_q, row.stop_next = i32(), i32(self.stop_states, self.stop_classes)
+            row.stop_class = i32(self.cfg.vocab_size)
         self.state = jax.tree.map(lambda a: jnp.zeros((self.num_slots,) + a.shape, a.dtype), row)
         self.state.key = jax.random.split(jax.random.key(seed), self.num_slots)
+        if self.stop_states:
+            self.state.stop_q = jnp.full((self.num_slots,), -1, jnp.int32)
+        self.stops_on_device = collections.Counter()  # requests with stop strings: "set" on the device, "too_large"
         # prefix caching (``jdspark.prefix``): the state after up to ``prefix_pool`` prompts, kept on the device
         # (None: as many as ``prefix.default_pool_rows`` allows for rows of this state's size; 0: off)
         if prefix_pool is None:
@@ -280,6 +298,7 @@ class SlotBackend(StartUp):
                                        ptop >= 0, pen, controls, grammar)
         else:
             first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, samp, pen, controls)
+        self._set_stops(slot, req)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
@@ -292,6 +311,16 @@ class SlotBackend(StartUp):
                 prompt = [None] + host_entries(lp_prompt.chosen_K, lp_prompt.top_ids_KL, lp_prompt.top_KL, n - 1,
                                                ptop, lp_prompt.rank_K)  # with each prompt token's rank
         return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
+
+    def _set_stops(self, slot: int, req: SamplingRequest) -> None:
+        """The request's stop strings on the device (after its insert, which leaves the slot with none), where its
+        automaton (``SamplingRequest.stop_fsm``: the engine's, none under min_tokens) fits the slot's tables."""
+        if req.stop_fsm is None or not self.stop_states or req.min_tokens:
+            return
+        tables = req.stop_fsm.device_tables(self.stop_states, self.stop_classes, self.cfg.vocab_size)
+        self.stops_on_device["set" if tables is not None else "too_large"] += 1
+        if tables is not None:
+            self.state = set_stops(self.state, np.int32(slot), *tables)
 
     def _controls(self, req: Optional[SamplingRequest] = None):
         """The request's ``LogitControls`` (None: a request asking for none) where the programs carry them

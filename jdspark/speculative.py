@@ -116,11 +116,18 @@ class Stream:
     # bool: the stream has committed one of the ids its request ends at (EOS, its stop ids; a serving step sets it,
     # ``slot_programs.step_rows``: a multi-step launch stops once all its rows have); False from the first token on
     ended: Optional[jax.Array] = None
+    # a serving slot's stop strings (``jdspark.stop_strings``; None in ``generate``): int32 the automaton's state
+    # (-1: none, MATCHED: the text contains one, which ends the row too), its table by token classes [Q, C] and
+    # the class of each id [V]
+    stop_q: Optional[jax.Array] = None
+    stop_next: Optional[jax.Array] = None
+    stop_class: Optional[jax.Array] = None
 
 
 # the Stream fields a step never changes (a request's own settings, written at its prefill): a serving step of some
 # slots need not scatter them back into the slots' state (``slot_programs.step_rows``)
-REQUEST_CONSTANT = ("prompt_seen", "bias", "stop_ids", "min_tokens", "fsm_next", "fsm_class")
+REQUEST_CONSTANT = ("prompt_seen", "bias", "stop_ids", "min_tokens", "fsm_next", "fsm_class", "stop_next",
+                    "stop_class")
 
 
 def _with_controls(row: Stream, V: int, controls: Optional[LogitControls]) -> Stream:

@@ -20,6 +20,7 @@ import kimi
 from jdspark.adaptive import CostTable, monotone_costs
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slots import SlotBackend, buckets_up_to
+from jdspark.stop_strings import stop_fsm
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 
@@ -413,13 +414,14 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     monitoring.register_event_listener(on_event)
     monitoring.register_event_duration_secs_listener(on_event)
     try:
-        # 2 inserts and 2 extensions; the snapshot; width 1 twice (without and with the drafter's context); G + 1
-        assert len(be.programs()) == 8
-        assert be.compile_all(threads=2) == 8
+        # 2 inserts and 2 extensions; the snapshot; a request's stop strings; width 1 twice (without and with the
+        # drafter's context); G + 1
+        assert len(be.programs()) == 9
+        assert be.compile_all(threads=2) == 9
         # a compile request per program: through the persistent cache where it is on (tests/conftest.py), else
         # straight to XLA
         req = "/jax/compilation_cache/compile_requests_use_cache"
-        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 8
+        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 9
         del events[:]
         be.warm_up()
         assert events == [] and len(be.prefix) == 0
@@ -428,6 +430,8 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
         for ids in (a, b, a + tuple(range(20, 40)), b + (50,)):  # buckets 16 and 32, then their extensions
             be.insert(0, SamplingRequest(ids, 4))
         assert be.prefix.hits == len(a) + len(b)
+        be.insert(0, SamplingRequest(a, 4, stop_fsm=stop_fsm(("ab",), ByteTokenizer())))  # its automaton set
+        assert be.stops_on_device["set"] == 1
         assert [f._cache_size() for f in (_insert, prefix.extend, prefix.snapshot)] == sizes and events == []
     finally:
         monitoring.unregister_event_listener(on_event)

@@ -2,9 +2,11 @@
 (``slot_programs.step_rows``' early exit): the rest of the launch that committed a request's end, and the launch the
 engine put in flight before it saw it, run no steps (their n_new 0, the slot's caches untouched), so at c = 1 the next
 request's prefill does not wait behind them. A row whose request goes on past EOS (``ignore_eos``: EOS not among its
-stop ids), or a launch with one row still going, runs every step. Served through the engine, such requests still
-equal batch-1 ``generate``."""
+stop ids), or a launch with one row still going, runs every step. The same holds where a row's text comes to hold
+one of its stop strings (``jdspark.stop_strings``: an automaton over the ids, spanning ids and the prefill's first
+token). Served through the engine, such requests still equal batch-1 ``generate``."""
 
+import dataclasses
 import time
 
 import jax
@@ -15,6 +17,7 @@ import jdspark
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slot_programs import STOP_IDS
 from jdspark.slots import SlotBackend
+from jdspark.stop_strings import stop_fsm
 from kimi import KimiConfig
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
@@ -107,3 +110,58 @@ def test_requests_ended_at_eos_equal_batch_one_generate(case):
                                 max_new_tokens=20, seed=r.sampling.seed)
         assert r.output_ids == [int(t) for t in want.tokens], (r.sampling, r.output_ids, want.tokens)
     assert all(r.sampling.stop_token_ids == (eos,) for r in reqs)  # the engine adds EOS to the ids that end it
+
+
+def _text(ids) -> str:
+    return bytes(int(t) for t in ids).decode("utf-8")  # the tiny vocabulary's ids are ASCII bytes (ByteTokenizer)
+
+
+def test_a_launch_stops_once_its_rows_text_holds_a_stop_string(case):
+    target, drafter, be, prompt, ref, eos = case
+    tok = ByteTokenizer()
+
+    def run(stops, speculative=False, width=1):
+        sp = dataclasses.replace(_req(prompt, eos, ends=False), speculative=speculative, stop_fsm=stop_fsm(stops, tok))
+        assert be.insert(0, sp).tokens == ref[:1]
+        return [o.tokens for o in be.collect(be.launch([0], width=width, steps=STEPS))[0]]
+
+    set0 = be.stops_on_device["set"]
+    assert run((_text(ref[1:3]),)) == [[ref[1]], [ref[2]]]  # spans the launch's two tokens: step 3 not run
+    assert be.collect(be.launch([0], width=1, steps=STEPS))[0] == []  # nor the launch in flight
+    assert run((_text(ref[0:2]),)) == [[ref[1]]]  # spans the prefill's token and step 1's
+    assert run(("\x7f\x7f", _text(ref[2:4]))) == [[ref[1]], [ref[2]], [ref[3]]]  # completed at step 3: all run
+    assert be.stops_on_device["set"] == set0 + 3
+    # a drafting launch ends after the step whose block completes it
+    steps = run((_text(ref[2:4]),), speculative=True, width=be.G + 1)
+    flat = [t for step in steps for t in step]
+    assert _text(ref[2:4]) in _text(ref[:1] + flat) and _text(ref[2:4]) not in _text(ref[:1] + flat[:-len(steps[-1])])
+    assert len(steps) < STEPS or len(flat) < 4
+    # an automaton larger than the slot's tables is not put on the device: the launch runs every step
+    many = tuple(_text([60 - i, 61 - i, 62 - i, 63 - i, 59 - i]) for i in range(10)) + (_text(ref[1:3]),)
+    assert len(run(many)) == STEPS and be.stops_on_device["too_large"] == 1
+    # a request without stop strings, in the slot after one with them: every step runs
+    assert len(be.collect(be.launch([0], width=1, steps=STEPS))[0]) == STEPS
+    be.insert(0, _req(prompt, eos, ends=False))
+    assert len(be.collect(be.launch([0], width=1, steps=STEPS))[0]) == STEPS
+    be.free(0)
+
+
+def test_requests_ended_at_a_stop_string_equal_batch_one_generate(case):
+    """Through the engine (which builds each request's automaton): the ids up to the one that completes the stop
+    string, the text cut before it, finish_reason "stop" with the stop string as the reason, as the host ends any
+    request at a stop string; greedy, plain and speculating."""
+    target, drafter, be, prompt, ref, eos = case
+    eng = Engine(be, ByteTokenizer(), eos_token_id=eos, max_waiting=8).start()
+    set0, stop = be.stops_on_device["set"], _text(ref[1:3])
+    try:
+        reqs = [eng.submit(Request(SamplingRequest(tuple(int(x) for x in prompt), 20, speculative=spec),
+                                   lambda ev: None, stop=(stop,), ignore_eos=True)) for spec in (False, True)]
+        deadline = time.time() + 600
+        while not all(r.finished for r in reqs):
+            assert time.time() < deadline and eng.error is None, eng.error
+            time.sleep(0.05)
+    finally:
+        eng.shutdown()
+    for r in reqs:
+        assert (r.output_ids, r.text, r.finished, r.stop_reason) == (ref[:3], _text(ref[:1]), "stop", stop)
+    assert be.stops_on_device["set"] == set0 + 2
