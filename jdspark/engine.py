@@ -167,6 +167,20 @@ def combined_usage(reqs: Sequence[Request], firsts: Optional[Sequence[Request]] 
             "accepted": accepted, "accept_len": (accepted + steps) / steps if steps else 0.0}
 
 
+def _held(req: Request) -> int:
+    """Characters at the end of the text not yet sent that a stop string still to come could begin with: the longest
+    such tail that is a proper prefix of one (not the longest stop string's length - 1 whatever the text: the text
+    of a code completion stopped at "\nclass" reaches its client as it comes, but for a tail like "\ncl"). Exact:
+    a tail a stop string could complete always starts in text not yet sent, as each commit holds back the longest."""
+    text, best = req.text, 0
+    for x in req.stop:
+        for k in range(min(len(x) - 1, len(text) - req.sent), best, -1):
+            if text.endswith(x[:k]):
+                best = k
+                break
+    return best
+
+
 def _stop_at(req: Request) -> int:
     """Where the first of ``req.stop`` begins in its text, searched from the last characters already sent that a
     stop string could still end in (and ending past ``stop_floor``: min_tokens); -1 where none does."""
@@ -435,8 +449,7 @@ class Engine:
         req.output_ids += take
         lps = lps[:len(take)] if req.sampling.logprobs is not None else None
         plp = outs[0].prompt_logprobs if prefill else None
-        # hold back a tail that could still become a stop string
-        hold = 0 if reason is not None else max((len(x) - 1 for x in req.stop), default=0)
+        hold = 0 if reason is not None else _held(req)  # a tail that could still become a stop string
         upto = max(req.sent, len(req.text) - hold)
         delta = req.text[req.sent:upto]
         req.sent = upto

@@ -255,3 +255,28 @@ def test_eos_joins_the_stop_ids_a_backend_is_handed_unless_ignored():
     no_eos = Engine(PipelinedBackend(1, 1), ByteTokenizer(), eos_token_id=None)
     assert no_eos.submit(Request(SamplingRequest(prompt_ids=(1,), max_tokens=4), lambda ev: None)).sampling \
         .stop_token_ids == ()
+
+
+def test_streamed_text_holds_back_only_a_tail_a_stop_string_could_begin_with():
+    """One token a step ("a", "b", "c", ... from prompt 96), stop strings "cdX" and "zz": each event carries the text
+    at once but for a tail that is a proper prefix of a stop string ("c", then "cd", sent with the "e" that rules the
+    stop string out), and the events add up to the whole text; a stop string that does complete ("fg") cuts the
+    text before it, none of it sent before."""
+    for stops, want_deltas, want_text, reason in (
+            (("cdX", "zz"), ["a", "b", "", "", "cde", "f", "g", "h"], "abcdefgh", "length"),
+            (("fg", "zz"), ["a", "b", "c", "d", "e", "", ""], "abcde", "stop")):
+        be = PipelinedBackend(num_slots=1, tokens_per_step=1, multi_step=1)
+        eng = Engine(be, ByteTokenizer(), eos_token_id=None).start()
+        events, done = [], threading.Event()
+
+        def on_event(ev):
+            events.append(ev)
+            if ev.finish_reason is not None:
+                done.set()
+        try:
+            eng.submit(Request(SamplingRequest(prompt_ids=(96,), max_tokens=8), on_event, stop=stops))
+            assert done.wait(20)
+        finally:
+            eng.shutdown()
+        assert [e.text for e in events] == want_deltas, stops
+        assert "".join(e.text for e in events) == want_text and events[-1].finish_reason == reason
