@@ -52,6 +52,20 @@ def _req(prompt, eos, ends=True, **kw):
                            **kw)
 
 
+def _served(be, eos, reqs) -> list:
+    """``reqs`` served to the end by an engine over ``be`` (pipelined launches of STEPS steps)."""
+    eng = Engine(be, ByteTokenizer(), eos_token_id=eos, max_waiting=8).start()
+    try:
+        reqs = [eng.submit(r) for r in reqs]
+        deadline = time.time() + 600
+        while not all(r.finished for r in reqs):
+            assert time.time() < deadline and eng.error is None, eng.error
+            time.sleep(0.05)
+    finally:
+        eng.shutdown()
+    return reqs
+
+
 def _length(be, slot):
     return int(np.asarray(jax.device_get(be.state.cache.length)).reshape(be.num_slots, -1)[slot, 0])
 
@@ -91,19 +105,9 @@ def test_requests_ended_at_eos_equal_batch_one_generate(case):
     """Through the engine (pipelined launches of 3 steps), greedy and sampled, plain and speculating: each request
     that ends at EOS equals its batch-1 generate (greedy ones token for token)."""
     target, drafter, be, prompt, ref, eos = case
-    eng = Engine(be, ByteTokenizer(), eos_token_id=eos, max_waiting=8).start()
-    reqs = []
-    try:
-        for i, (spec, temp) in enumerate([(False, 0.0), (True, 0.0), (True, 1.0), (False, 1.0)]):
-            sp = SamplingRequest(tuple(int(x) for x in prompt), 20, seed=i, speculative=spec, temperature=temp,
-                                 top_p=0.95 if temp else 1.0)
-            reqs.append(eng.submit(Request(sp, lambda ev: None)))
-        deadline = time.time() + 600
-        while not all(r.finished for r in reqs):
-            assert time.time() < deadline and eng.error is None, eng.error
-            time.sleep(0.05)
-    finally:
-        eng.shutdown()
+    reqs = _served(be, eos, [Request(SamplingRequest(tuple(int(x) for x in prompt), 20, seed=i, speculative=spec,
+                                                     temperature=temp, top_p=0.95 if temp else 1.0), lambda ev: None)
+                             for i, (spec, temp) in enumerate([(False, 0.0), (True, 0.0), (True, 1.0), (False, 1.0)])])
     assert reqs[0].output_ids == ref[:3] and reqs[0].finished == "stop"
     for r in reqs[:2]:  # greedy: token for token; the sampled ones draw from the same law (test_slots.py)
         want = jdspark.generate(target, drafter if r.sampling.speculative else None, np.array(prompt),
@@ -151,17 +155,9 @@ def test_requests_ended_at_a_stop_string_equal_batch_one_generate(case):
     string, the text cut before it, finish_reason "stop" with the stop string as the reason, as the host ends any
     request at a stop string; greedy, plain and speculating."""
     target, drafter, be, prompt, ref, eos = case
-    eng = Engine(be, ByteTokenizer(), eos_token_id=eos, max_waiting=8).start()
     set0, stop = be.stops_on_device["set"], _text(ref[1:3])
-    try:
-        reqs = [eng.submit(Request(SamplingRequest(tuple(int(x) for x in prompt), 20, speculative=spec),
-                                   lambda ev: None, stop=(stop,), ignore_eos=True)) for spec in (False, True)]
-        deadline = time.time() + 600
-        while not all(r.finished for r in reqs):
-            assert time.time() < deadline and eng.error is None, eng.error
-            time.sleep(0.05)
-    finally:
-        eng.shutdown()
+    reqs = _served(be, eos, [Request(SamplingRequest(tuple(int(x) for x in prompt), 20, speculative=spec),
+                                     lambda ev: None, stop=(stop,), ignore_eos=True) for spec in (False, True)])
     for r in reqs:
         assert (r.output_ids, r.text, r.finished, r.stop_reason) == (ref[:3], _text(ref[:1]), "stop", stop)
     assert be.stops_on_device["set"] == set0 + 2
