@@ -217,7 +217,7 @@ class Engine:
             if req.stop and not req.sampling.min_tokens and getattr(self.backend, "stop_states", 0):
                 # its stop strings as an automaton over the ids (a backend ends its row where the text holds one)
                 req.sampling = dataclasses.replace(req.sampling, stop_fsm=stop_fsm(
-                    tuple(req.stop), self.tokenizer, frozenset(req.keep_special)))
+                    tuple(req.stop), self.tokenizer, frozenset(req.keep_special), self.backend.stop_states))
         with self._cv:
             if self.error is not None:
                 raise RuntimeError(f"the engine stopped: {self.error!r}")

@@ -115,11 +115,16 @@ class StopFSM:
 
 
 @functools.lru_cache(maxsize=64)
-def stop_fsm(stops: tuple, tokenizer, keep_special: frozenset = frozenset()) -> StopFSM:
+def stop_fsm(stops: tuple, tokenizer, keep_special: frozenset = frozenset(), max_states: int = STOP_STATES) -> StopFSM:
     """``stops`` (strings) over ``tokenizer``'s vocabulary, as the host's text reads it: special ids leave the text
-    as it is, but those in ``keep_special`` (walked as their names). Cached: a server's requests repeat a few."""
+    as it is, but those in ``keep_special`` (walked as their names). Cached: a server's requests repeat a few.
+    An automaton of more than ``max_states`` states is not lifted (its tables would be Q x V before the classes
+    shrink them: a request's hundred long stop strings over K3's vocabulary, gigabytes): it comes back without
+    tables, which no slot holds (``device_tables`` gives None)."""
     delta = stop_automaton([s.encode("utf-8") for s in stops])
     M = delta.shape[0] - 1
+    if M > max_states:
+        return StopFSM(np.zeros((M, 0), np.int32), np.zeros((0,), np.int32))
     V = tokenizer.vocab_size
     special = set(tokenizer.special_ids) - set(keep_special)
     tb = [None if v in special else tokenizer.token_bytes(v) for v in range(V)]

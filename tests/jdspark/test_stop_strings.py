@@ -122,3 +122,13 @@ def test_the_device_walk_equals_the_host_walk_row_by_row():
         assert got[r] == want, (r, ids_bK[r], n_b[r])
     assert (got == MATCHED).any() and (got[3:] >= 0).any()
     assert fsm.device_tables(fsm.num_states - 1, 16, 400) is None  # too many states for the slot: not on the device
+
+
+def test_an_automaton_too_large_for_a_slot_is_not_lifted():
+    """More states than a slot holds: no Q x V table is built (over K3's vocabulary a request's many long stop
+    strings would take gigabytes), and no slot takes it."""
+    stops = tuple(f"{chr(65 + i)} stop {i}" for i in range(40))
+    fsm = stop_fsm(stops, ByteTokenizer(), max_states=32)
+    assert fsm.num_states > 32 and fsm.next_QC.size == 0
+    assert fsm.device_tables(32, 128, 384) is None
+    assert stop_fsm(stops[:1], ByteTokenizer(), max_states=32).device_tables(32, 128, 384) is not None
