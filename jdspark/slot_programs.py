@@ -69,7 +69,7 @@ def slot_automaton(q, next_QC, slot):
     """A slot's automaton state and table in the numbering all slots share: state q of slot s is s * Q + q (-1 stays
     -1). ``step_rows`` then reads every row's transitions from the slots' tables as one [S * Q, C] table, unmapped,
     instead of gathering each stepped row's [Q, C] (2 MiB a row at the server's Q = 1024: a step of 8 of 16 slots
-    copied 16 MiB, and a multi-step launch carried them through its scan; docs/serving.md)."""
+    copied 16 MiB, and a multi-step launch carried them through its loop; docs/serving.md)."""
     off = slot * next_QC.shape[0]
     return jnp.where(q >= 0, q + off, q), jnp.where(next_QC >= 0, next_QC + off, next_QC)
 

@@ -14,7 +14,7 @@ traced, state donated). Every (bucket, width) program is compiled by ``warm_up()
 before the server says ready.
 
 Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``multi_step_max_batch`` one launch may
-run ``multi_step`` steps (a ``lax.scan`` of the same step, one width), when the engine has no request waiting for
+run ``multi_step`` steps (a ``lax.while_loop`` of the same step, one width), when the engine has no request waiting for
 a slot; the engine commits them in order. A plain launch (width 1) may do so up to ``multi_step_plain_max_batch``:
 it has no drafts whose width would be planned from stale curves. Where one row's step is a few ms, the host's round
 trip per launch (dispatch, read-back, commit) is a large share of it. A launch stops once all its rows have ended
