@@ -17,6 +17,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 
 from jdspark.graphs import merge_module
 from jdspark.sampling import Penalties, SamplingParams
@@ -145,11 +146,15 @@ def step_rows(t_graph, d_graph, t_state, d_state, state, host_bC, *, width, conf
         new, out = stepped(sub)
         out = jax.tree.map(lambda x: x[None], out)
     else:  # run while a row has not ended; the outputs of the steps not run stay zero (n_new 0)
-        out0 = jax.tree.map(lambda a: jnp.zeros((steps,) + a.shape, a.dtype), jax.eval_shape(stepped, sub)[1])
+        # the step traced once (its jaxpr gives the outputs' shapes the loop's carry needs, and is the loop's body):
+        # eval_shape and the loop tracing it again cost start-up ~0.45 s a multi-step program (docs/performance.md)
+        closed, shapes = jax.make_jaxpr(stepped, return_shape=True)(sub)
+        step_flat = jax_core.jaxpr_as_fun(closed)
+        out0 = jax.tree.map(lambda a: jnp.zeros((steps,) + a.shape, a.dtype), shapes[1])
 
         def body(carry):
             i, st, outs = carry
-            st, out = stepped(st)
+            st, out = jax.tree.unflatten(jax.tree.structure(shapes), step_flat(*jax.tree.leaves(st)))
             return i + 1, st, jax.tree.map(lambda o, x: o.at[i].set(x), outs, out)
 
         _, new, out = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(~c[1].ended), body,
