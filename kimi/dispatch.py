@@ -76,6 +76,13 @@ def pallas_interpret(interpret: Optional[bool] = None) -> bool:
 # Rows at or under this that route to at least as many slots as there are experts: every expert once, no sort
 # (a verify block on a small model touches most experts anyway).
 MOE_ALL_MAX_ROWS = 16
+# The 'blocked' path's block: each expert's rows padded to a multiple of this (docs/performance.md, "Where a
+# 128-token prefill goes": smaller blocks lose more to small batched matmuls on XLA:CPU than they save in rows).
+MOE_BLOCK_ROWS = 64
+# Many rows on the serving copy run 'all' (T*E rows of work, two large matmuls) while that is at most this many
+# times the rows 'blocked' computes (T*X + E*block, plus its sort, gathers and scatter): measured on this CPU with
+# E = 8 and 32, top-2, 128-2048 rows, 'all' won where T*E <= ~2x those rows and lost past it (docs/performance.md).
+MOE_ALL_OVER_BLOCKED = 2.0
 # The serving copy's per-expert loop with at most this many experts: one lax.cond per expert, each on its own
 # arrays (XLA:CPU upcasts a loop's dynamic slice of bf16 weights to fp32 on every step); more: a fori_loop.
 USED_UNROLL_MAX_EXPERTS = 32
@@ -156,7 +163,9 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     the rows are few: each expert once, no sort; 'all_or_used' for those rows on the serving copy (the picked
     experts only, when they are few; decided at run time); 'grouped' otherwise (prefill and training): sort by
     expert and a grouped matmul, or on CPU 'blocked' (the same sort, block-padded batched matmuls), because
-    XLA:CPU's ragged_dot runs every row against every group.
+    XLA:CPU's ragged_dot runs every row against every group; on the serving copy on CPU 'all' while its T*E rows
+    are at most ``MOE_ALL_OVER_BLOCKED`` x blocked's (a 128-token prefill of 8 experts), and 'blocked' multiplies
+    the copy's bf16 per-expert layout (``experts_blocked_fused``), not its dense fp32 experts in fp32.
 
     On a backend outside ``RUNTIME_SKIP_BACKENDS`` (a GPU) the serving copy's few rows take 'all' instead of
     'used' / 'all_or_used': no run-time cond. Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route
@@ -173,6 +182,9 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     if rows <= MOE_ALL_MAX_ROWS:
         return "all_or_used" if serving_dtype is not None and skips else "all"
     if jax.default_backend() == "cpu":
+        if serving_dtype is not None and rows * num_experts <= MOE_ALL_OVER_BLOCKED * (
+                rows * top_k + num_experts * MOE_BLOCK_ROWS):
+            return "all"
         return "blocked"
     return "grouped"
 

@@ -483,6 +483,8 @@ class RoutedExperts(nnx.Module):
                                                *self.used_layout(), *act)
         if path == "all":
             return moe_ops.experts_all_fused(z_TD, w_TX, idx_TX, *self.all_layout(z_TD.dtype), c.num_experts, *act)
+        if path == "blocked" and serving_dtype is not None:  # the serving copy's experts, as they are
+            return moe_ops.experts_blocked_fused(z_TD, w_TX, idx_TX, *self.used_layout(), *act)
         if path == "blocked":
             return moe_ops.experts_blocked(z_TD, w_TX, idx_TX, self.weight("w1", None, z_TD.dtype),
                                            self.weight("w3", None, z_TD.dtype), self.weight("w2", None, z_TD.dtype),

@@ -8,6 +8,10 @@ fastest of ``--repeats`` runs of ``--iters`` calls), in microseconds per call:
   kda_verify    T=8, 4 heads of 64: the closed-form block + one rollback vs the scan keeping every state + a pick
   bf16_matvec   1 x 256 @ 256 x 1024: fp32, bf16 with 1 row, bf16 padded to dispatch.BF16_ROWS_MIN rows
   moe_verify    8 rows, 8 experts of 128 x 256, top-2 picking 2 experts: the per-expert loop vs the fused pair
+  moe_prefill   T = 128 / 512 / 2048 rows, E = 8 / 32 MXFP4 experts of 192 x 192 (the shipped target's), top-2, as
+                the bf16 serving copy holds them: its dense fp32 experts blocked in fp32 (experts_blocked: what a
+                prefill ran before the forty-ninth session), its fused bf16 pair ('all'), its bf16 per-expert layout
+                blocked (experts_blocked_fused); ``chosen``: dispatch.moe_path's pick for those shapes
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kimi import dispatch  # noqa: E402
+from kimi import dispatch, mxfp4  # noqa: E402
 from kimi.ops import kda, moe  # noqa: E402
 
 
@@ -108,6 +112,30 @@ def moe_verify(iters, repeats) -> dict:
             "experts_picked": 2, "experts": E}
 
 
+def moe_prefill(iters, repeats, sizes=((8, 128), (8, 512), (8, 2048), (32, 128), (32, 512))) -> dict:
+    r = np.random.default_rng(3)
+    F = D = 192
+    out = {}
+    for E, T in sizes:
+        dense = [jnp.asarray(0.05 * r.standard_normal(shape), jnp.float32) for shape in ((E, F, D),) * 2 + ((E, D, F),)]
+        dense = [mxfp4.dequantize(*mxfp4.quantize(w), dtype=jnp.float32) for w in dense]  # MXFP4's values
+        bf16 = [w.astype(jnp.bfloat16) for w in dense]
+        w13_all, w2_all = moe.fuse_experts_for_all(*bf16)
+        w13_e, w2_e = (tuple(a) for a in moe.fuse_experts_per_expert(*bf16))
+        x = jnp.asarray(r.standard_normal((T, D)), jnp.float32)
+        w, idx = moe.route(jnp.asarray(r.standard_normal((T, E)), jnp.float32), jnp.zeros(E), 2)
+        n = max(1, iters * 128 // (T * E // 8))  # fewer calls for the larger shapes
+
+        fused = jax.jit(lambda x: moe.experts_all_fused(x, w, idx, w13_all, w2_all, E, "silu"))
+        blocked = jax.jit(lambda x: moe.experts_blocked_fused(x, w, idx, w13_e, w2_e, "silu"))
+        dense_blocked = jax.jit(lambda x: moe.experts_blocked(x, w, idx, *dense, "silu"))
+        out[f"E{E}_T{T}"] = {"dense_fp32_blocked_us": _us(dense_blocked, (x,), n, repeats),
+                             "all_fused_us": _us(fused, (x,), n, repeats),
+                             "blocked_fused_us": _us(blocked, (x,), n, repeats),
+                             "chosen": dispatch.moe_path(T, 2, E, jnp.bfloat16)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=50)
@@ -116,7 +144,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     out = {"backend": jax.default_backend()}
     for name, fn in (("kda_prefill", kda_prefill), ("kda_verify", kda_verify), ("bf16_matvec", bf16_matvec),
-                     ("moe_verify", moe_verify)):
+                     ("moe_verify", moe_verify), ("moe_prefill", moe_prefill)):
         out[name] = fn(a.iters, a.repeats)
         if not a.json:
             print(name, out[name])

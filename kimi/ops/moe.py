@@ -18,7 +18,8 @@ Experts (torch layout, [out, in]): e_k(z) = W2_k act(W1_k z, W3_k z).
             serving's verify takes it over 'all' when the rows pick few experts (experts_all_or_used), as a block
             of similar tokens does, and its bf16 decode takes it too.
   blocked:  sorted by expert, each expert's rows padded to a multiple of a block, one batched matmul per block
-            (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU).
+            (dropless; about T*X + E*block rows of work): many rows on a backend whose ragged_dot is dense (CPU);
+            on the serving copy over its bf16 per-expert layout (experts_blocked_fused).
 kimi.dispatch.moe_path picks one from static shapes (and whether a serving copy exists).
 """
 
@@ -78,17 +79,14 @@ def experts_grouped(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=N
     return out.astype(dt)
 
 
-def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None,
-                    block: int = 64):
-    """Exact, dropless routed experts for many rows: the T*X assignments sorted by expert, each expert's group
-    padded to a multiple of ``block`` rows, and one batched matmul per block against its expert's weights
-    (gathered per block). Same result as experts_grouped (up to fp32 rounding); on XLA:CPU it
-    costs about (T*X + E*block) rows of work instead of ragged_dot's T*X*E."""
+def _block_plan(w_TX, idx_TX, num_experts: int, block: int):
+    """The assignments of ``experts_blocked*``: the T*X (row, slot) pairs sorted by expert, each expert's group
+    padded to a multiple of ``block``. Returns (src_P: the source row of each padded row, T for padding (an all-zero
+    row); wt_P: its routing weight, fp32, 0 for padding; be_N: each block's expert), P = nb * block with the static
+    bound nb = ceil(T*X / block) + E (sum_e ceil(n_e / block) <= R / block + E)."""
     T, X = idx_TX.shape
-    E, _, D = w1_EFD.shape
-    R = T * X
-    dt = x_TD.dtype
-    nb = -(-R // block) + E  # static bound on the number of blocks: sum_e ceil(n_e / block) <= R / block + E
+    E, R = num_experts, T * X
+    nb = -(-R // block) + E
     flat = idx_TX.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
@@ -99,17 +97,61 @@ def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=N
     start_E = jnp.cumsum(sizes_E) - sizes_E
     dest_R = pstart_E[e_sorted] + jnp.arange(R, dtype=jnp.int32) - start_E[e_sorted]
     P = nb * block
-    src_P = jnp.full((P,), T, jnp.int32).at[dest_R].set((order // X).astype(jnp.int32))  # T: an all-zero row
+    src_P = jnp.full((P,), T, jnp.int32).at[dest_R].set((order // X).astype(jnp.int32))
     wt_P = jnp.zeros((P,), jnp.float32).at[dest_R].set(w_TX.reshape(-1)[order].astype(jnp.float32))
-    x_pad = jnp.concatenate([x_TD, jnp.zeros((1, D), dt)], axis=0)
-    xs_NBD = x_pad[src_P].reshape(nb, block, D)
     be_N = jnp.minimum(jnp.searchsorted(pend_E, jnp.arange(nb, dtype=jnp.int32) * block, side="right"), E - 1)
+    return src_P, wt_P, be_N
+
+
+def _blocks(x_TD, src_P, block: int, dtype):
+    """x's rows in block order [nb, block, D] (padding rows zero), in ``dtype``."""
+    x_pad = jnp.concatenate([x_TD.astype(dtype), jnp.zeros((1, x_TD.shape[1]), dtype)], axis=0)
+    return x_pad[src_P].reshape(-1, block, x_TD.shape[1])
+
+
+def _combine(y_PD, src_P, T: int, dtype, wt_P=None):
+    """out[t] = sum of (wt_P) y_PD over the padded rows of source row t (fp32 sums; padding adds to row T, dropped)."""
+    y_PD = y_PD.astype(jnp.float32) * (1.0 if wt_P is None else wt_P[:, None])
+    return jnp.zeros((T + 1, y_PD.shape[-1]), jnp.float32).at[src_P].add(y_PD)[:T].astype(dtype)
+
+
+def experts_blocked(x_TD, w_TX, idx_TX, w1_EFD, w3_EFD, w2_EDF, act: str, beta=None, linear_beta=None,
+                    block: int = dispatch.MOE_BLOCK_ROWS):
+    """Exact, dropless routed experts for many rows: the T*X assignments sorted by expert, each expert's group
+    padded to a multiple of ``block`` rows, and one batched matmul per block against its expert's weights
+    (gathered per block). Same result as experts_grouped (up to fp32 rounding); on XLA:CPU it
+    costs about (T*X + E*block) rows of work instead of ragged_dot's T*X*E."""
+    T = x_TD.shape[0]
+    dt = x_TD.dtype
+    src_P, wt_P, be_N = _block_plan(w_TX, idx_TX, w1_EFD.shape[0], block)
+    xs_NBD = _blocks(x_TD, src_P, block, dt)
     g = jnp.einsum("nbd,nfd->nbf", xs_NBD, w1_EFD[be_N].astype(dt))
     u = jnp.einsum("nbd,nfd->nbf", xs_NBD, w3_EFD[be_N].astype(dt))
     h = glu(g, u, act, beta, linear_beta)
-    y_PD = jnp.einsum("nbf,ndf->nbd", h, w2_EDF[be_N].astype(dt)).reshape(P, -1)
-    out = jnp.zeros((T + 1, y_PD.shape[-1]), jnp.float32).at[src_P].add(y_PD.astype(jnp.float32) * wt_P[:, None])
-    return out[:T].astype(dt)
+    y_PD = jnp.einsum("nbf,ndf->nbd", h, w2_EDF[be_N].astype(dt)).reshape(src_P.shape[0], -1)
+    return _combine(y_PD, src_P, T, dt, wt_P)
+
+
+def experts_blocked_fused(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=None, linear_beta=None,
+                          block: int = dispatch.MOE_BLOCK_ROWS):
+    """:func:`experts_blocked` on the serving copy's per-expert layout (:func:`fuse_experts_per_expert`: ``w13``
+    [E, D, 2F], ``w2`` [E, F, D], stacked or as sequences of E arrays, stacked here: XLA fuses the stack into the
+    per-block gather), rounded where :func:`experts_used` and :func:`experts_all_fused` round (x and c * h in
+    the weights' dtype, fp32 sums, as ``kimi.ops.linear.matmul`` serves bf16 weights):
+
+        [g | u] = x_b [W1_e^T | W3_e^T];     y_b = (c_b act(g, u)) W2_e^T;     y[t] = sum of y_b over t's blocks rows
+
+    Many rows on the serving copy multiply its bf16 experts as they are, where :func:`experts_blocked` multiplied
+    its dense fp32 experts in fp32 and contracted their last axis (docs/performance.md: ~2x faster at 512 rows)."""
+    T, dt = x_TD.shape[0], x_TD.dtype
+    w13, w2 = jnp.stack(w13_ED2F), jnp.stack(w2_EFD)
+    F, wdt = w2.shape[1], w13.dtype
+    src_P, wt_P, be_N = _block_plan(w_TX, idx_TX, w13.shape[0], block)
+    xs_NBD = _blocks(x_TD, src_P, block, wdt)
+    gu = jnp.einsum("nbd,nde->nbe", xs_NBD, w13[be_N], preferred_element_type=jnp.float32)
+    h = glu(gu[..., :F], gu[..., F:], act, beta, linear_beta) * wt_P.reshape(gu.shape[0], block, 1)
+    y = jnp.einsum("nbf,nfd->nbd", h.astype(wdt), w2[be_N], preferred_element_type=jnp.float32)
+    return _combine(y.reshape(src_P.shape[0], -1), src_P, T, dt)
 
 
 def experts_picked_E(idx_TX, num_experts: int):

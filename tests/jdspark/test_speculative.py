@@ -8,6 +8,7 @@ full-rank Markov head that encodes g (its backbone output is switched off). eps 
 state, MoE, AttnRes) perturb the target, so some drafts fail. Sampling: the law of every emitted token given the
 tokens before it: tests/jdspark/test_sampling_law.py (with the helpers here).
 """
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +176,36 @@ def test_bf16_serving_is_lossless_and_close_to_fp32(mxfp4_target):
     sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
     np.testing.assert_array_equal(sp.tokens, ar.tokens[:32])
     assert_histogram(sp.stats, want, "bf16 serving")
+
+
+def test_bf16_serving_prefill_of_many_rows_reads_the_copy(mxfp4_target, monkeypatch):
+    """A prefill of many rows on the bf16 serving copy runs its routed experts either way dispatch.moe_path picks
+    on a CPU ('all': the fused pair; 'blocked': experts_blocked_fused over the copy's bf16 per-expert layout, not
+    its dense fp32 experts through experts_blocked): both round where the copy's decode and verify round, so
+    they agree to fp32 summation order, and both stay within bf16 rounding of the fp32 checkpoint model."""
+    from kimi.ops import moe as moe_ops
+    fp32 = mxfp4_target[0]
+    target = kimi.model.abstract_model(fp32.config.replace(serving_dtype="bfloat16"))
+    nnx.update(target, nnx.state(fp32))
+    served = kimi.model.with_serving_layout(target)
+    toks = (np.arange(40, dtype=np.int32) * 7 % (fp32.config.vocab_size - 3) + 3)[None]
+    ref = fp32.prefill(toks, fp32.init_cache(1, 48)).logits
+    calls = collections.Counter()
+    for name in ("experts_all_fused", "experts_blocked_fused", "experts_blocked"):
+        fn = getattr(moe_ops, name)
+        monkeypatch.setattr(moe_ops, name, lambda *a, _fn=fn, _name=name, **k: calls.update([_name]) or _fn(*a, **k))
+    got = {}
+    for path, ratio, max_len in (("all", 1e9, 48), ("blocked", 0.0, 56)):  # a cache of its own: a fresh trace
+        monkeypatch.setattr(kimi.dispatch, "MOE_ALL_OVER_BLOCKED", ratio)
+        calls.clear()
+        got[path] = np.asarray(served.prefill(toks, served.init_cache(1, max_len)).logits)
+        n_moe = fp32.config.ffn_kinds.count("moe")
+        assert calls == {"experts_all_fused" if path == "all" else "experts_blocked_fused": n_moe}, calls
+    scale = float(jnp.max(jnp.abs(ref)))
+    np.testing.assert_allclose(got["blocked"], got["all"], rtol=0, atol=1e-4 * scale)
+    for path in got:
+        err = float(np.max(np.abs(got[path] - np.asarray(ref))))
+        assert 0 < err < 0.05 * scale, (path, err)
 
 
 def test_serving_copy_is_kept_until_the_weights_change(mxfp4_target):

@@ -165,6 +165,54 @@ def test_moe_paths_agree(act):
     np.testing.assert_allclose(b, ref, atol=1e-5)
 
 
+def _served_moe_reference(x, w, idx, w13_ED2F, w2_EFD, beta, linear_beta):
+    """The serving copy's routed experts row by row in float64: x rounded to the weights' dtype, the product and
+    its activation exact, c * h rounded to the weights' dtype before W2 (where experts_used and all_fused round)."""
+    rnd = lambda a, dt: np.asarray(jnp.asarray(a, jnp.float32).astype(dt), np.float64)
+    dt = w13_ED2F.dtype
+    xb, w13, w2 = rnd(x, dt), np.asarray(w13_ED2F, np.float64), np.asarray(w2_EFD, np.float64)
+    F = w2.shape[1]
+    out = np.zeros((x.shape[0], w2.shape[2]))
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            gu = xb[t] @ w13[e]
+            h = np.asarray(activations.situ_glu(jnp.asarray(gu[:F], jnp.float32), jnp.asarray(gu[F:], jnp.float32),
+                                                beta, linear_beta), np.float64)
+            out[t] += rnd(float(w[t, j]) * h, dt) @ w2[e]
+    return out
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert", "unused_experts"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_experts_blocked_fused_matches_a_row_by_row_reference(routing, dtype):
+    """The serving copy's blocked experts (its per-expert layout, stacked or one array an expert) equal the slow
+    row-by-row sum at the serving copy's rounding points, however the rows route: spread over every expert, all
+    to one (a group of many blocks), or to two of six (empty groups); and equal experts_all_fused's rounding."""
+    w1, w3, w2 = _experts()
+    T, X, E = 37, 2, 6
+    x = jax.random.normal(jax.random.key(7), (T, 32))
+    w, idx = moe.route(jax.random.normal(jax.random.key(8), (T, E)), jnp.zeros(E), X)
+    if routing == "one_expert":  # every row's first slot to expert 3 (10 blocks of 4), its second elsewhere
+        other = jnp.arange(T) % (E - 1)
+        idx = jnp.stack([jnp.full((T,), 3), jnp.where(other >= 3, other + 1, other)], axis=1).astype(jnp.int32)
+    elif routing == "unused_experts":
+        idx = jnp.stack([jnp.full((T,), 4), jnp.full((T,), 1)], axis=1).astype(jnp.int32)
+    w13, w2f = (a.astype(dtype) for a in moe.fuse_experts_per_expert(w1, w3, w2))
+    ref = _served_moe_reference(x, w, idx, w13, w2f, 4.0, 25.0)
+    got = moe.experts_blocked_fused(x, w, idx, w13, w2f, "situ", 4.0, 25.0, block=4)
+    seq = moe.experts_blocked_fused(x, w, idx, tuple(w13), tuple(w2f), "situ", 4.0, 25.0, block=4)
+    assert got.dtype == x.dtype and got.shape == (T, 32)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(seq, got)
+    fused = moe.experts_all_fused(x, w, idx, *(a.astype(dtype) for a in moe.fuse_experts_for_all(w1, w3, w2)), E,
+                                  "situ", 4.0, 25.0)
+    np.testing.assert_allclose(got, fused, rtol=1e-4, atol=1e-4)
+    if dtype == jnp.bfloat16:  # the rounding is the serving copy's, not fp32's
+        exact = moe.experts_all(x, w, idx, w1, w3, w2, "situ", 4.0, 25.0)
+        assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 1e-3
+
+
 @pytest.mark.parametrize("unroll_max", [32, 0], ids=["cond-per-expert", "loop"])
 def test_experts_used_reads_only_the_routed_experts(unroll_max, monkeypatch):
     """experts_used skips every expert no row picked (both forms): NaN weights there leave the result untouched."""
@@ -290,6 +338,23 @@ def test_moe_path_skips_no_experts_at_run_time_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "used"
     assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all_or_used"
+
+
+def test_moe_path_for_many_rows_on_the_cpu():
+    """Many rows on XLA:CPU: 'blocked' without a serving copy (the packed or fp32 experts, as training runs them);
+    on the serving copy 'all' while its T*E rows are at most MOE_ALL_OVER_BLOCKED x the blocked path's T*X + E*block
+    (a 128-token prefill of 8 experts, top-2), else 'blocked' (over the copy's own layout: kimi.layers)."""
+    B, k = dispatch.MOE_BLOCK_ROWS, dispatch.MOE_ALL_OVER_BLOCKED
+    assert dispatch.moe_path(128, 2, 8, None) == "blocked"
+    assert dispatch.moe_path(128, 2, 8, jnp.bfloat16) == "all"
+    assert dispatch.moe_path(128, 2, 32, jnp.bfloat16) == "all"
+    assert dispatch.moe_path(512, 2, 8, jnp.bfloat16) == "blocked"
+    assert dispatch.moe_path(4096, 2, 8, jnp.float32) == "blocked"
+    assert dispatch.moe_path(128, 2, 64, jnp.bfloat16) == "all"  # blocked would pad 64 groups to 64 rows
+    assert dispatch.moe_path(256, 2, 64, jnp.bfloat16) == "blocked"
+    for T, E in ((17, 8), (100, 16), (256, 8), (300, 8)):  # the rule itself, at its edge
+        want = "all" if T * E <= k * (T * 2 + E * B) else "blocked"
+        assert dispatch.moe_path(T, 2, E, jnp.bfloat16) == want
 
 
 def test_sampling_form_follows_the_backend_unless_set_while_tracing(monkeypatch):
