@@ -83,6 +83,11 @@ MOE_BLOCK_ROWS = 64
 # times the rows 'blocked' computes (T*X + E*block, plus its sort, gathers and scatter): measured on this CPU with
 # E = 8 and 32, top-2, 128-2048 rows, 'all' won where T*E <= ~2x those rows and lost past it (docs/performance.md).
 MOE_ALL_OVER_BLOCKED = 2.0
+# Mapped rows (the serving slots' vmap) on the bf16 serving copy on a CPU run 'all' while E is at most this many
+# times the slots they route to: 'gathered' copies each routed expert's fp32 weights out of the copy (~58 us an
+# expert of 192 x 192 here), 'all' reads every expert's bf16 pair in place (~8 us an expert): at 1 row of top-2,
+# E = 8: 113 against 161 us a layer, E = 16: 128 against 159, E = 32: 248 against 166 (docs/performance.md).
+MOE_ALL_OVER_GATHERED = 6
 # The serving copy's per-expert loop with at most this many experts: one lax.cond per expert, each on its own
 # arrays (XLA:CPU upcasts a loop's dynamic slice of bf16 weights to fp32 on every step); more: a fori_loop.
 USED_UNROLL_MAX_EXPERTS = 32
@@ -170,10 +175,16 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     On a backend outside ``RUNTIME_SKIP_BACKENDS`` (a GPU) the serving copy's few rows take 'all' instead of
     'used' / 'all_or_used': no run-time cond. Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route
     to fewer slots than there are experts, else 'all' (no run-time skipping, which vmap would turn into both
-    branches), each as for rows that many."""
+    branches), each as for rows that many; on the bf16 serving copy on a CPU 'all' already from E <=
+    ``MOE_ALL_OVER_GATHERED`` x those slots (a b = 1 decode of 8 experts: its rows then round as batch-1 decode's
+    'used' does)."""
     mapped = _MAPPED_ROWS[-1]
     if mapped is not None:
-        return "gathered" if rows * mapped * top_k < num_experts else "all"
+        slots = rows * mapped * top_k
+        if slots >= num_experts or (serving_dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+                                    and num_experts <= MOE_ALL_OVER_GATHERED * slots):
+            return "all"
+        return "gathered"
     skips = runtime_skips()
     if rows * top_k < num_experts:
         if serving_dtype == jnp.bfloat16:  # decode and verify must round a row at the same points

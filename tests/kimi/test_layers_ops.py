@@ -312,11 +312,18 @@ def test_moe_path_under_mapped_rows():
     per-row lax.cond ('used', 'all_or_used'), which vmap would run as every branch."""
     assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "used"
     with dispatch.mapped_rows(1):
-        assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "gathered"
+        assert dispatch.moe_path(1, 2, 8, None) == "gathered"
+        assert dispatch.moe_path(1, 2, 8, jnp.float32) == "gathered"
+        # the bf16 serving copy on a CPU: every expert's bf16 pair read in place beats copying 2 fp32 experts out
+        assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "all"
+        assert dispatch.moe_path(1, 2, 12, jnp.bfloat16) == "all"
+        assert dispatch.moe_path(1, 2, 13, jnp.bfloat16) == "gathered"  # E > MOE_ALL_OVER_GATHERED x 2 slots
     with dispatch.mapped_rows(4):
         assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "all"
         assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all"
         assert dispatch.moe_path(1, 2, 16, None) == "gathered"
+        assert dispatch.moe_path(1, 2, 48, jnp.bfloat16) == "all"
+        assert dispatch.moe_path(1, 2, 49, jnp.bfloat16) == "gathered"
     assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all_or_used"
     with pytest.raises(ValueError, match="mapped_rows"):
         with dispatch.mapped_rows(0):
@@ -335,6 +342,8 @@ def test_moe_path_skips_no_experts_at_run_time_on_a_gpu(monkeypatch):
     assert dispatch.moe_path(1, 2, 64, jnp.bfloat16) == "all"
     assert dispatch.moe_path(32, 1, 64, jnp.bfloat16) == "gathered"  # many rows, few slots: not every expert
     assert dispatch.moe_path(64, 2, 8, jnp.bfloat16) == "grouped"
+    with dispatch.mapped_rows(1):  # the CPU's bf16 rule for mapped rows is the CPU's
+        assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "gathered"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert dispatch.moe_path(1, 2, 8, jnp.bfloat16) == "used"
     assert dispatch.moe_path(8, 2, 8, jnp.bfloat16) == "all_or_used"
