@@ -58,9 +58,10 @@ def token_logprobs(logits_KV, tokens_K, top: int, with_rank: bool = False) -> To
 
 
 def when(flag, logits_KV, tokens_K, top: int, with_rank: bool = False) -> TokenLogprobs:
-    """``token_logprobs`` where ``flag`` (a scalar of the whole batch; None: always), else zeros of its shapes."""
+    """``token_logprobs`` where ``flag`` (a scalar of the whole batch; None: always), else zeros of its shapes.
+    ``logits_KV``: the logits, or a function computing them (then computed only where ``flag`` holds)."""
     def compute():
-        return token_logprobs(logits_KV, tokens_K, top, with_rank)
+        return token_logprobs(logits_KV() if callable(logits_KV) else logits_KV, tokens_K, top, with_rank)
 
     if flag is None:
         return compute()

@@ -350,13 +350,16 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     if chunk is None:  # on a cache of the prompt's length, padded after (KimiCache.padded_to)
         pre = target.forward(prompt_1P, KimiCache.init(target.config, 1, min(P, max_len)), mode="prefill",
                              tap_layers=taps, valid_len_B=valid, media_MD=media_MD)
-        last_logits = jax.lax.dynamic_index_in_dim(pre.logits[0], prompt_len - 1, keepdims=False)
+        # the LM head on the last valid position alone (the prompt's [P, V] logits only for prompt log-probabilities)
+        h_PD = pre.last_hidden[0]
+        last_logits = target.logits_from_hidden(jax.lax.dynamic_slice_in_dim(h_PD, prompt_len - 1, 1))[0]
         cache = pre.cache.padded_to(max_len)
         if drafter is not None:
             dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
         if with_prompt:
             next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
-            prompt_lp = when(want_prompt_logprobs, pre.logits[0], next_P, logprobs, with_rank=True)
+            prompt_lp = when(want_prompt_logprobs, lambda: target.logits_from_hidden(h_PD), next_P, logprobs,
+                             with_rank=True)
     else:
         cache = KimiCache.init(target.config, 1, max_len)
 
@@ -366,9 +369,9 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         # position i's logits score prompt token i + 1: each chunk reads the next C tokens, one position on
         next_Q = jnp.pad(prompt_1P[0, 1:], (0, chunked_positions(P, chunk) - P + 1))
 
-        def prompt_entries(logits_1CV, start):
-            lp = when(want_prompt_logprobs, logits_1CV[0], jax.lax.dynamic_slice(next_Q, (start,), (chunk,)),
-                      logprobs, with_rank=True)
+        def prompt_entries(chunk_logits, start):
+            next_C = jax.lax.dynamic_slice(next_Q, (start,), (chunk,))
+            lp = when(want_prompt_logprobs, lambda: chunk_logits()[0], next_C, logprobs, with_rank=True)
             return jax.tree.map(lambda x: x[None], lp)
 
         got, cache, dcache = prefill_chunked(target, prompt_1P, cache, chunk=chunk, tap_layers=taps,

@@ -43,9 +43,13 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
     as the prompt goes, so the whole prompt's taps never exist at once): ``carry = taps_fn(carry, taps_BCX,
     valid_B, start)`` after each chunk (``valid_B`` of its C rows valid, ``start`` its first position), starting
     from ``taps_init``; the third return is then the final carry.
-    ``logits_fn(logits_BCV, start)`` (``start`` the chunk's first position) reduces each chunk's logits to a pytree
-    of [B, C, ...] per position (e.g. each prompt token's log-probability: the whole [B, T, V] never exists); the
-    first return is then (logits [B, V] of the last valid token, that pytree stacked to [B, T, ...]).
+    ``logits_fn(chunk_logits, start)`` (``start`` the chunk's first position; ``chunk_logits()`` computes the
+    chunk's [B, C, V] logits, so a function that calls it only under a ``lax.cond`` computes them only when the
+    cond takes that branch) reduces each chunk's logits to a pytree of [B, C, ...] per position (e.g. each prompt
+    token's log-probability: the whole [B, T, V] never exists); the first return is then (logits [B, V] of the last
+    valid token, that pytree stacked to [B, T, ...]). Without ``all_logits`` the LM head runs on each row's last
+    valid position only (and under ``logits_fn`` where it asks): at K3's vocabulary a 4096-token chunk's logits
+    would be [4096, 163840] fp32, 2.7 GB, for one row kept.
     Usable inside jit; the chunk loop is a ``lax.scan``, so the program does not grow with T."""
     if all_logits and logits_fn is not None:
         raise ValueError("prefill_chunked: all_logits and logits_fn are exclusive (all_logits is logits_fn = id)")
@@ -67,12 +71,13 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
         toks_BC, start = xs
         v_B = jnp.clip(valid_B - start, 0, chunk)
         out = model.forward(toks_BC, cache, mode="prefill", tap_layers=tap_layers, valid_len_B=v_B)
-        idx_B = jnp.clip(v_B - 1, 0, chunk - 1)
-        here_BV = jnp.take_along_axis(out.logits, idx_B[:, None, None], axis=1)[:, 0]
+        idx_B = jnp.clip(v_B - 1, 0, chunk - 1)  # out.logits, unread but with all_logits, is dead code to XLA
+        here_BV = model.logits_from_hidden(jnp.take_along_axis(out.last_hidden, idx_B[:, None, None], axis=1))[:, 0]
         last_BV = jnp.where((v_B > 0)[:, None], here_BV, last_BV)
         if taps_fn is not None:
             user = taps_fn(user, out.taps, v_B, start)
-        per_position = out.logits if all_logits else (logits_fn(out.logits, start) if logits_fn else None)
+        chunk_logits = lambda: model.logits_from_hidden(out.last_hidden)  # noqa: E731
+        per_position = out.logits if all_logits else (logits_fn(chunk_logits, start) if logits_fn else None)
         ys = (per_position, out.taps if taps_fn is None else None)
         return (out.cache, last_BV, user), ys
 

@@ -1,6 +1,8 @@
 """Chunked prefill equals a one-pass prefill: logits, taps and the cache, for chunk sizes that do and do not divide
 the prompt, on tiny K3 (AttnRes, MLA + KDA) and tiny Kimi-Linear (plain residual) configs, with padded rows."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +102,29 @@ def test_prefill_on_a_prompt_sized_cache_padded_equals_the_full_cache(model, one
     np.testing.assert_array_equal(a.cache.length, b.cache.length)
     with pytest.raises(ValueError, match="max_len: expected >= the cache's 37 positions"):
         small.cache.padded_to(36)
+
+
+def test_the_lm_head_runs_on_the_last_position_only(model):
+    """Without all_logits the compiled chunk loop keeps no product of the forward's LM head (named scope
+    ``lm_head``) over the chunk's C rows: the last valid row's logits come from its hidden state alone. With
+    all_logits it stays; a logits_fn gets the chunk's logits on demand (here under a cond, as prompt
+    log-probabilities ask for them)."""
+    V, C = model.config.vocab_size, 8
+    toks = jnp.zeros((1, 24), jnp.int32)
+
+    def lm_head_products(fn):
+        hlo = jax.jit(fn).lower(toks, model.init_cache(1, 64)).compile().as_text()
+        return [ln for ln in hlo.splitlines() if "lm_head/dot_general" in ln and f"f32[{C},{V}]" in ln
+                and re.search(r"= \S+ (dot|fusion)\(", ln)]
+
+    assert not lm_head_products(lambda t, c: prefill_chunked(model, t, c, chunk=C)[0])
+    assert lm_head_products(lambda t, c: prefill_chunked(model, t, c, chunk=C, all_logits=True)[0])
+    ref = prefill_chunked(model, toks, model.init_cache(1, 64), chunk=C, all_logits=True)[0]
+
+    def lazy(chunk_logits, start):
+        return jax.lax.cond(start >= 0, lambda: chunk_logits()[..., 0], lambda: jnp.zeros((1, C), jnp.float32))
+
+    (last, firsts), _, _ = jax.jit(lambda t, c: prefill_chunked(model, t, c, chunk=C, logits_fn=lazy))(
+        toks, model.init_cache(1, 64))
+    np.testing.assert_allclose(firsts, ref[..., 0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(last, ref[:, -1], atol=1e-5, rtol=0)
