@@ -224,8 +224,11 @@ BF16_ROWS_MIN = 2
 
 
 def bf16_rows(rows: int) -> int:
-    """The rows a bf16 weight matmul of ``rows`` input rows runs with (padding rows are zeros, cut after)."""
-    return max(rows, BF16_ROWS_MIN)
+    """The rows a bf16 weight matmul of ``rows`` input rows runs with (padding rows are zeros, cut after). Inside
+    ``mapped_rows(n)`` the n mapped calls' rows are one matmul to XLA (vmap stacks them): each call pads only to
+    its share of BF16_ROWS_MIN, so a plain step of 16 rows multiplies 16 rows, not 32."""
+    mapped = _MAPPED_ROWS[-1] or 1
+    return max(rows, -(-BF16_ROWS_MIN // mapped))
 
 
 # --------------------------------------------------------------------------------------------------- prefill

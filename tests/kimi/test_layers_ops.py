@@ -1,4 +1,6 @@
 """MLA absorbed vs unabsorbed, router selection, MoE dispatch paths, AttnRes buffer, SiTU."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -381,3 +383,26 @@ def test_sampling_form_follows_the_backend_unless_set_while_tracing(monkeypatch)
     with pytest.raises(ValueError, match="bisect"):
         with dispatch.sampling_form_as("argsort"):
             pass
+
+
+def test_bf16_rows_pad_a_lone_row_but_not_mapped_rows():
+    """A single bf16 row is padded to BF16_ROWS_MIN; rows mapped with vmap are one matmul to XLA, so each mapped call
+    pads only to its share: 16 mapped rows of one multiply 16 rows (they multiplied 32 before the forty-ninth
+    session), one mapped row still 2."""
+    assert dispatch.bf16_rows(1) == dispatch.BF16_ROWS_MIN == 2
+    assert dispatch.bf16_rows(8) == 8
+    with dispatch.mapped_rows(1):
+        assert dispatch.bf16_rows(1) == 2
+    for n in (2, 16):
+        with dispatch.mapped_rows(n):
+            assert dispatch.bf16_rows(1) == 1
+    w = jax.random.normal(jax.random.key(1), (64, 48)).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (16, 1, 64))
+
+    def mapped(x):
+        with dispatch.mapped_rows(16):
+            return jax.vmap(lambda r: linear.matmul(r, w))(x)
+
+    hlo = jax.jit(mapped).lower(x).compile().as_text()
+    assert re.search(r"f32\[16,48\]\S* dot\(", hlo) and not re.search(r"f32\[32,48\]\S* dot\(", hlo), hlo
+    np.testing.assert_array_equal(jax.jit(mapped)(x), jax.vmap(lambda r: linear.matmul(r, w))(x))
