@@ -11,9 +11,10 @@ path has a test against its reference.
                   moe_uses_pallas      the MXFP4 expert kernels when kernels == "pallas" on packed experts
                   pallas_interpret     interpret mode on CPU, compiled (Triton) elsewhere
   MoE path        moe_path             gathered / used / all / all_or_used / blocked / grouped
-                  USED_UNROLL_MAX_EXPERTS, USED_LOOP_MAX_FRACTION (the serving copy's per-expert loop)
+                  USED_UNROLL_MAX_EXPERTS, USED_LOOP_MAX_FRACTION (the serving copy's per-expert loop);
+                  MOE_ALL_OVER_BLOCKED, MOE_ALL_OVER_GATHERED (the serving copy's 'all' for many rows, mapped rows)
   serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
-  bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows
+  bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows (mapped rows: their share)
   prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
   MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE,
                                        absorbed on CPU (MLA_PREFILL_TILED_FORM), unabsorbed elsewhere

@@ -139,7 +139,7 @@ def experts_blocked_fused(x_TD, w_TX, idx_TX, w13_ED2F, w2_EFD, act: str, beta=N
     per-block gather), rounded where :func:`experts_used` and :func:`experts_all_fused` round (x and c * h in
     the weights' dtype, fp32 sums, as ``kimi.ops.linear.matmul`` serves bf16 weights):
 
-        [g | u] = x_b [W1_e^T | W3_e^T];     y_b = (c_b act(g, u)) W2_e^T;     y[t] = sum of y_b over t's blocks rows
+        [g | u] = x_b [W1_e^T | W3_e^T];    y_b = (c_b act(g, u)) W2_e^T;    y[t] = sum of y_b over t's rows
 
     Many rows on the serving copy multiply its bf16 experts as they are, where :func:`experts_blocked` multiplied
     its dense fp32 experts in fp32 and contracted their last axis (docs/performance.md: ~2x faster at 512 rows)."""
