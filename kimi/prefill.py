@@ -76,7 +76,9 @@ def prefill_chunked(model, tokens_BT, cache: KimiCache, *, chunk: int, tap_layer
         last_BV = jnp.where((v_B > 0)[:, None], here_BV, last_BV)
         if taps_fn is not None:
             user = taps_fn(user, out.taps, v_B, start)
-        chunk_logits = lambda: model.logits_from_hidden(out.last_hidden)  # noqa: E731
+        def chunk_logits():  # the chunk's [B, C, V], computed only where a logits_fn asks for them
+            return model.logits_from_hidden(out.last_hidden)
+
         per_position = out.logits if all_logits else (logits_fn(chunk_logits, start) if logits_fn else None)
         ys = (per_position, out.taps if taps_fn is None else None)
         return (out.cache, last_BV, user), ys
