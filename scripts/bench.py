@@ -4,6 +4,7 @@
   python scripts/bench.py --corpus DIR --json       # prompts cut from your own text files
   python scripts/bench.py --prompt-file mine.jsonl --json   # your own prompts: {"prompt": ...} lines
   python scripts/bench.py --json --plot bench.png   # and the chart: speedup against per-token acceptance
+  python scripts/bench.py --replot run.json --plot bench.png   # the chart again from a saved --json output
 
 Batch 1, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes run the
 same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts). Each
@@ -258,6 +259,23 @@ def _p_from_accept_len(accept_len: float, G: int) -> float:
     return 0.5 * (lo + hi)
 
 
+def _read_result(path: str, error) -> dict:
+    """The result object of an earlier ``--json`` run: the last non-empty line of ``path`` (what the run printed
+    last); ``error(message)`` names the file and what is wrong with it."""
+    try:
+        with open(path) as f:
+            lines = [ln for ln in f.read().splitlines() if ln.strip()]
+    except OSError as e:
+        error(f"--replot {path}: {e.strerror or e}")
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError as e:
+        error(f"--replot {path}: its last line is not JSON ({e.msg}); expected bench.py --json's output")
+    if not isinstance(result, dict) or not isinstance(result.get("workloads"), dict) or "block_size" not in result:
+        error(f"--replot {path}: expected bench.py --json's object (with 'block_size' and 'workloads') last")
+    return result
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default=None, help="folder with target/ and drafter/ (default: the shipped one)")
@@ -283,8 +301,16 @@ def main(argv=None) -> int:
                          "none: all of them; default: the checkpoint's (the shipped drafter's: 64; "
                          "docs/performance.md)")
     ap.add_argument("--plot", default=None, help="write the speedup-vs-acceptance chart to this PNG")
+    ap.add_argument("--replot", metavar="JSON", default=None, help="measure nothing: draw --plot from the last line "
+                    "of an earlier run's --json output (a saved file)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
+    if a.replot is not None:
+        if not a.plot:
+            ap.error("--replot needs --plot FILE.png (where to draw the chart)")
+        plot(_read_result(a.replot, ap.error), a.plot)
+        print(f"[bench] chart of {a.replot} written to {a.plot}", file=sys.stderr)
+        return 0
     if a.prompts < 1 or a.prompt_len < 2 or a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--prompts, --prompt-len (>= 2), --max-new-tokens and --repeats must be positive")
     if a.temperature <= 0 or not 0 < a.top_p <= 1:

@@ -1,5 +1,6 @@
 """scripts/bench.py's pieces that need no timing: the chart from a result, acceptance -> p, degeneracy rows."""
 
+import json
 import os
 import sys
 
@@ -31,6 +32,27 @@ def test_plot_writes_a_png(tmp_path):
     bench.plot(result, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["chart.png"]  # no temporary file left
+
+
+def test_replot_draws_a_saved_run_s_chart_and_names_a_bad_file(tmp_path, capsys):
+    result = {"block_size": 3, "backend": "cpu", "workloads": {"code": {"greedy": _row(3.1, 2.0)}}}
+    saved = tmp_path / "run.json"
+    saved.write_text("[bench] a line of the run's log\n" + json.dumps(result) + "\n\n")
+    out = tmp_path / "again.png"
+    assert bench.main(["--replot", str(saved), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for text, said in (("{\"workloads\": 3}", "expected bench.py --json's object"), ("{not json", "is not JSON"),
+                       ("", "expected bench.py --json's object")):
+        saved.write_text(text)
+        with pytest.raises(SystemExit):
+            bench.main(["--replot", str(saved), "--plot", str(out)])
+        assert said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--replot", str(saved)])
+    assert "--replot needs --plot" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--replot", str(tmp_path / "missing.json"), "--plot", str(out)])
+    assert "missing.json" in capsys.readouterr().err
 
 
 def test_degeneracy_figures_compare_with_the_real_continuation_at_the_same_length():
