@@ -357,12 +357,12 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     stop = body.get("stop")
     if stop is None:
         stop = ()
-    elif isinstance(stop, str):
+    elif isinstance(stop, str) and stop:
         stop = (stop,)
     elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
         stop = tuple(stop)
-    else:
-        raise ApiError(400, "'stop' must be a string or a list of non-empty strings", "stop")
+    else:  # "" as vLLM: "stop cannot contain an empty string" (every text holds it: the answer would end at once)
+        raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings", "stop")
     ignore_eos = get_field(body, "ignore_eos", (bool,), False, what="a boolean")
     include_stop_str = get_field(body, "include_stop_str_in_output", (bool,), False, what="a boolean")
     stream = get_field(body, "stream", (bool,), False, what="a boolean")

@@ -268,6 +268,8 @@ BAD = [
     ({"prompt": [1, 999]}, "outside the vocabulary", "prompt", 400),
     ({"prompt": "x", "stream": "yes"}, "'stream' must be a boolean", "stream", 400),
     ({"prompt": "x", "stop": [1]}, "'stop' must be", "stop", 400),
+    ({"prompt": "x", "stop": ""}, "'stop' must be a non-empty string or a list of non-empty strings", "stop", 400),
+    ({"prompt": "x", "stop": ["a", ""]}, "'stop' must be a non-empty string", "stop", 400),
     ({"prompt": "x", "model": "gpt-9"}, "does not exist", "model", 404),
     ({"prompt": "x", "n": 5}, "'n' must be an integer in 1..4, got 5", "n", 400),
     ({"prompt": "x", "n": 0}, "'n' must be an integer in 1..4, got 0", "n", 400),
