@@ -15,11 +15,11 @@ Conventions (from speculators 0.9.0):
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Optional
 
 from kimi.config import FrozenConfig
+from kimi.jsonfile import read_json_object
 
 _ATTENTION = ("gqa", "mla")
 _MARKOV = ("vanilla", "gated", "rnn")
@@ -232,8 +232,7 @@ class DSparkConfig(FrozenConfig):
             path = os.fspath(path_or_dict)
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
-            with open(path) as f:
-                raw = json.load(f)
+            raw = read_json_object(path)
         if raw.get("speculators_model_type", "dspark") != "dspark":
             raise ValueError(f"speculators_model_type: expected 'dspark', got {raw.get('speculators_model_type')!r}")
         tl = raw.get("transformer_layer_config")

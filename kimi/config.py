@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 
 import jax.numpy as jnp
 
+from kimi.jsonfile import read_json_object
 from kimi.vision_config import VisionConfig
 
 ActName = Literal["situ", "silu"]
@@ -305,8 +306,7 @@ class KimiConfig(FrozenConfig):
                 p = os.path.join(p, "config.json")
             if not os.path.isfile(p):
                 raise ValueError(f"config.json not found at {p}")
-            with open(p) as f:
-                raw = json.load(f)
+            raw = read_json_object(p)
         elif isinstance(path_or_dict, dict):
             raw = dict(path_or_dict)
         else:

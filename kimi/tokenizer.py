@@ -36,6 +36,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+from kimi.jsonfile import read_json_object
+
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "TiktokenTokenizer", "IncrementalDecoder",
            "load_tokenizer", "KIMI_PAT_STR", "PLAIN_CHAT_TEMPLATE", "SPECIAL_NAMES", "gpt2_byte_decoder"]
 
@@ -253,8 +255,8 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: os.PathLike | str, *, chat_template: Optional[str] = None,
                  vocab_size: Optional[int] = None, roles: Optional[Mapping[str, Optional[int]]] = None):
         self.path = Path(path)
+        spec = read_json_object(self.path)  # first: a broken file is said naming it
         self._tk = RustTokenizer.from_file(str(self.path))
-        spec = json.loads(self.path.read_text(encoding="utf-8"))
         specials = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special", True)}
         vocab = self._tk.get_vocab(with_added_tokens=False)
         byte_level = "ByteLevel" in json.dumps(spec.get("decoder") or {})
@@ -320,7 +322,7 @@ def read_tiktoken_ranks(path: os.PathLike | str) -> dict[bytes, int]:
 
 def _read_tokenizer_config(d: Path) -> dict:
     p = d / "tokenizer_config.json"
-    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+    return read_json_object(p) if p.is_file() else {}
 
 
 def _roles_from_config(cfg: dict, specials: Mapping[str, int]) -> dict[str, Optional[int]]:
@@ -353,7 +355,7 @@ def load_tokenizer(path: os.PathLike | str, *, vocab_size: Optional[int] = None)
                                  num_reserved_special_tokens=int(cfg.get("num_reserved_special_tokens", 256)),
                                  roles=_roles_from_config(cfg, specials))
     if (d / "tokenizer.json").is_file():
-        spec = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+        spec = read_json_object(d / "tokenizer.json")
         specials = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", [])}
         return HFTokenizer(d / "tokenizer.json", chat_template=template, vocab_size=vocab_size,
                            roles=_roles_from_config(cfg, specials))

@@ -3,7 +3,6 @@ DeepSeek-V3), by the official names and the same checks as :func:`kimi.checkpoin
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from types import SimpleNamespace
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kimi.checkpoint import CONFIG_FILE, _collect, _dtype_name, _entries, _fill, _plan_load
+from kimi.jsonfile import read_json_object
 from kimi.layers import shape_only_init
 from kimi.safetensors_io import LoadReport, fmt_shape
 from kimi.vision import MoonViT, Projector, VisionConfig
@@ -39,8 +39,7 @@ def load_vision(path, dtype="float32"):
     cfg_file = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(cfg_file):
         raise ValueError(f"load_vision: {cfg_file} not found")
-    with open(cfg_file) as f:
-        top = json.load(f)
+    top = read_json_object(cfg_file)
     vcfg = VisionConfig.from_hf_config(top.get("vision_config") or {}, top)
     if vcfg is None:
         raise ValueError(f"load_vision: {cfg_file} has no vision_config (a text-only checkpoint)")

@@ -153,6 +153,9 @@ def test_config_json_round_trip_and_fixture(tmp_path):
             assert raw[k] == v, k
     for k, v in FIXTURE["transformer_layer_config"].items():
         assert raw["transformer_layer_config"][k] == v, k
+    (tmp_path / "config.json").write_text('{"block_size": 7,')  # a broken file is named
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON \(Expecting property name"):
+        DSparkConfig.from_speculators_config(tmp_path)
 
 
 @pytest.mark.parametrize("kw, field", [

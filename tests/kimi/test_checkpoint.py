@@ -208,6 +208,27 @@ def test_truncated_or_corrupt_file_is_named(random_ckpt, tmp_path):
         kimi.load_checkpoint(tmp_path / "sh" / "..")
 
 
+@pytest.mark.parametrize("broken,said", [(b'{"vocab_size": ', "not valid JSON (Expecting value at line 1, column 16)"),
+                                         (b"[1, 2]", "expected a JSON object, found an array"),
+                                         (b"\xff{}", "not UTF-8 text")])
+def test_a_broken_json_file_is_named(random_ckpt, tmp_path, broken, said):
+    """config.json, tokenizer.json and tokenizer_config.json: ValueError naming the file and what is wrong."""
+    import shutil
+
+    d, _ = random_ckpt
+    shipped = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "default", "target")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        case = tmp_path / name
+        shutil.copytree(d, case)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(shipped, f), case / f)
+        (case / name).write_bytes(broken)
+        load = kimi.load_checkpoint if name == "config.json" else kimi.load_tokenizer
+        with pytest.raises(ValueError) as e:
+            load(case)
+        assert str(e.value).startswith(f"{case / name}: ") and said in str(e.value)
+
+
 def test_save_replaces_atomically(random_ckpt, tmp_path, monkeypatch):
     d, _ = random_ckpt
     m = kimi.load_checkpoint(d)
