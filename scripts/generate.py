@@ -183,6 +183,10 @@ def main(argv=None) -> int:
         ap.error("--max-new-tokens and --repeats must be >= 1")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
+    try:  # the sampling flags, checked where generate checks them, before the pair loads
+        jdspark.sampling.SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p)
+    except ValueError as e:
+        ap.error(f"--{str(e).replace('_', '-')}")
     prompt = DEMO_PROMPT if a.prompt is None else a.prompt
 
     target, drafter, note = load_pair(a.checkpoint, a.serving_dtype)

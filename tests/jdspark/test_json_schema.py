@@ -359,6 +359,23 @@ def test_generate_script_builds_the_constraint(tmp_path):
         gen.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x"])
 
 
+@pytest.mark.parametrize("flag,value,said", [("--temperature", "-1", "--temperature: expected >= 0, got -1.0"),
+                                             ("--top-p", "0", "--top-p: expected in (0, 1], got 0.0"),
+                                             ("--top-k", "-2", "--top-k: expected >= 0"),
+                                             ("--min-p", "1.5", "--min-p: expected in [0, 1]")])
+def test_generate_script_names_a_bad_sampling_flag(tmp_path, capsys, flag, value, said):
+    """A usage error naming the flag, before the pair loads (the folder given is not there: a later error)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    import generate as gen
+
+    with pytest.raises(SystemExit):
+        gen.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x", flag, value])
+    assert said in capsys.readouterr().err
+
+
 def test_token_classes_rebuild_the_table():
     """A table by token classes: next_QC[q, class_V[v]] is next_QV[q, v] for every state and id (a schema's table
     over the byte vocabulary), padding columns are -1 and never indexed, fewer classes than asked is refused; the
