@@ -193,8 +193,8 @@ class Engine:
 
     def __init__(self, backend: Backend, tokenizer, *, eos_token_id: Optional[int], max_waiting: int = 64,
                  metrics=None):
-        if max_waiting < 0:
-            raise ValueError(f"max_waiting: expected >= 0, got {max_waiting}")
+        if max_waiting < 1:  # every request waits in the queue first: 0 would refuse each one
+            raise ValueError(f"max_waiting: expected >= 1, got {max_waiting}")
         self.backend, self.tokenizer, self.eos = backend, tokenizer, eos_token_id
         self.max_waiting, self.metrics = int(max_waiting), metrics
         self.waiting: collections.deque = collections.deque()

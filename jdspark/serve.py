@@ -348,7 +348,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-len", type=int, default=1024, help="cache positions per slot (prompt + completion)")
     ap.add_argument("--prompt-buckets", type=_positive_ints, default=(64, 128, 256, 512), metavar="P,P,...",
                     help="prompt lengths the prefill is compiled for (a prompt takes the smallest that fits)")
-    ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429")
+    ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429 (>= 1: a request waits "
+                    "there until a slot frees, so 0 would refuse every request)")
     ap.add_argument("--spec", choices=("off", "fixed", "adaptive"), default="adaptive",
                     help="off: plain decoding for every request; fixed: verify the drafter's whole block; adaptive: "
                          "the default request mode picks each step's verify width (requests may ask 'fixed')")
@@ -439,7 +440,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--multi-step-plain-max-batch: expected at least --multi-step-max-batch ({wide_top}), got "
                      f"{a.multi_step_plain_max_batch}")
         a.multi_step_plain_max_batch = a.multi_step_max_batch  # the platform's default, below the flag given
-    for flag, value, low in (("--slots", a.slots, 1), ("--max-len", a.max_len, 1), ("--max-waiting", a.max_waiting, 0)):
+    for flag, value, low in (("--slots", a.slots, 1), ("--max-len", a.max_len, 1), ("--max-waiting", a.max_waiting, 1)):
         if value < low:
             ap.error(f"{flag}: expected an int >= {low}, got {value}")
     if not 0 <= a.port <= 65535:

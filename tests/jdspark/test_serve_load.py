@@ -331,6 +331,8 @@ def test_server_flags_reach_the_slots(capsys):
     assert serve.make_engine(serve.parse_args([*a_flags, "--prefix-pool", "0"]))[1].prefix is None
     with pytest.raises(SystemExit):
         serve.parse_args(["--prefix-pool", "-1"])
+    with pytest.raises(SystemExit):  # every request passes through the queue: 0 would answer each with a 429
+        serve.parse_args(["--max-waiting", "0"])
     # buckets 1, 2, 4, 8: steps_for is the most a launch runs; steps_at(8, width) what one of that width runs
     for flag, want, at8 in ((["--multi-step-max-batch", "0"], [4] * 5, (4, 4)), ([], [4] * 5, (4, 1)),
                             (["--multi-step-plain-max-batch", "4"], [4, 4, 4, 4, 1], (1, 1))):
