@@ -217,6 +217,9 @@ def parse_args(argv=None):
         p.error(f"--served-prompts: expected >= 0 (0 skips serving the drafter), got {a.served_prompts}")
     if not os.path.isfile(os.path.join(a.target, "config.json")):
         p.error(f"--target {a.target}: expected a target checkpoint folder (config.json + *.safetensors)")
+    for flag, d in (("--corpus", a.corpus), ("--served-corpus", a.served_corpus)):
+        if d is not None and not os.path.isdir(os.path.expanduser(d)):  # said before the target loads
+            p.error(f"{flag} {d}: expected a directory of text files")
     return a
 
 

@@ -95,6 +95,9 @@ def test_init_continues_from_a_saved_drafter(target_dir, trained, tmp_path):
                             str(tmp_path / "export2"), "--layers", "1"] + args)
     with pytest.raises(SystemExit):  # a --target that is not a checkpoint: a usage error before anything loads
         train_drafter.main(["--target", str(tmp_path / "none"), "--out", str(tmp_path / "e")] + args)
+    for flag in ("--corpus", "--served-corpus"):  # likewise a text folder that is not there
+        with pytest.raises(SystemExit):
+            train_drafter.parse_args(["--target", target_dir, flag, str(tmp_path / "none")])
 
 
 
