@@ -463,6 +463,19 @@ def launch(checkpoint: str, port: int, slots: int, timeout: float = 900.0, extra
     raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
 
 
+def server_problem(url: str) -> Optional[str]:
+    """Why ``url`` is not a ready server (its ``/health`` not answering 200), or None when it is."""
+    import httpx
+
+    try:
+        status = httpx.get(url.rstrip("/") + "/health", timeout=5).status_code
+    except httpx.UnsupportedProtocol:
+        return "expected a server's base URL, like http://127.0.0.1:8000"
+    except httpx.HTTPError as e:
+        return f"no server answers there ({type(e).__name__}: {e})"
+    return None if status == 200 else f"/health answers {status} (a server still compiling says 503: wait for 200)"
+
+
 def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -516,11 +529,24 @@ def main(argv=None) -> int:
     modes = a.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}")
-    conc = [int(c) for c in a.concurrency.split(",")]
+    try:
+        conc = [int(c) for c in a.concurrency.split(",")]
+        temps = [float(t) for t in a.temperatures.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency, --temperatures: expected comma-separated numbers (like 1,4,16 and 0,1), got "
+                 f"{a.concurrency!r}, {a.temperatures!r}")
+    if min(conc) < 1 or not all(0 <= t < float("inf") for t in temps):
+        ap.error(f"--concurrency: expected ints >= 1, --temperatures: numbers >= 0; got {conc}, {temps}")
+    if min(a.slots, a.max_tokens, a.prompts, 1 if a.requests is None else a.requests) < 1:
+        ap.error(f"--slots, --max-tokens, --prompts, --requests: expected ints >= 1, got {a.slots}, {a.max_tokens}, "
+                 f"{a.prompts}, {a.requests}")
     server_args = shlex.split(a.server_args)
     if server_args and not (a.launch or a.in_process):
         ap.error("--server-args: only with --launch or --in-process (a running server has its flags)")
-    temps = [float(t) for t in a.temperatures.split(",")]
+    if a.url is not None:  # said before the prompts are cut and the run begins
+        problem = server_problem(a.url)
+        if problem:
+            ap.error(f"--url {a.url}: {problem}")
     try:
         common = request_fields(a.request_fields) if a.request_fields is not None else {}
         prompts, source, fields = load_prompts(a.checkpoint, a.prompts, a.prompt_len, a.workload, a.corpus,

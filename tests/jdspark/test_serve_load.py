@@ -232,6 +232,15 @@ def test_bench_serve_prompt_sources(tmp_path, capsys):
     with pytest.raises(SystemExit):  # one source at a time
         bench_serve.main(["--in-process", "--workload", "prose", "--corpus", str(tmp_path)])
     assert "not allowed with argument" in capsys.readouterr().err
+    for args, say in ((["--concurrency", "1,0"], "--concurrency: expected ints >= 1"),
+                      (["--temperatures", "-1"], "--temperatures: numbers >= 0"),
+                      (["--concurrency", "1,x"], "expected comma-separated numbers"),
+                      (["--requests", "0"], "expected ints >= 1, got 16, 128, 16, 0"),
+                      (["--url", "http://127.0.0.1:1"], "--url http://127.0.0.1:1: no server answers there"),
+                      (["--url", "localhost"], "--url localhost: expected a server's base URL")):
+        with pytest.raises(SystemExit):  # before a server is started or a prompt cut
+            bench_serve.main(args if args[0] == "--url" else ["--launch", *args])
+        assert say in capsys.readouterr().err
 
 
 def test_mailbox_wakes_the_loop_once_per_batch_and_keeps_order():
