@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    if min(a.iters, a.repeats) < 1:
+        ap.error(f"--iters, --repeats: expected ints >= 1, got {a.iters}, {a.repeats}")
     out = {"backend": jax.default_backend()}
     for name, fn in (("kda_prefill", kda_prefill), ("kda_verify", kda_verify), ("bf16_matvec", bf16_matvec),
                      ("moe_verify", moe_verify), ("moe_prefill", moe_prefill)):

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -148,6 +149,16 @@ def launch_arg_ms(calls: int = 30) -> dict:
 ROWS_KINDS = {"greedy": 0.0, "sampled": 1.0}  # rows' kinds timed: their temperature
 
 
+def room_problem(max_len: int, prompt_len: int, G: int, iters: int, K: int, widths) -> Optional[str]:
+    """Why the timed steps would overflow the caches (they run past a request's own limit here: the cache is the
+    bound), or None."""
+    room = max_len - prompt_len - G - 2
+    if (max(iters, K) + K) * max(widths) > room:
+        return (f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches after a "
+                f"{prompt_len}-token prompt; raise --max-len or lower --iters")
+    return None
+
+
 def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, iters: int, repeats: int,
         steps_per_launch: int = 1, switch: bool = False, adaptive: bool = False,
         rows_kinds=("greedy", "sampled")) -> dict:
@@ -159,10 +170,9 @@ def run(target, drafter, prompts, *, slots: int, max_len: int, batches, widths, 
     K = int(steps_per_launch)
     be = SlotBackend(target, drafter, num_slots=slots, max_len=max_len, prompt_buckets=(P,), multi_step=K,
                      multi_step_max_batch=slots, adaptive=adaptive)
-    room = max_len - P - be.G - 2  # steps run past a request's own limit here: the cache is the bound
-    if (max(iters, K) + K) * max(widths) > room:
-        raise ValueError(f"--iters {iters} steps at width {max(widths)} overflow the {max_len}-position caches "
-                         f"after a {P}-token prompt; raise --max-len or lower --iters")
+    problem = room_problem(max_len, P, be.G, iters, K, widths)
+    if problem:
+        raise ValueError(problem)
     rows, switches, context = [], [], []
     for name, temp in ((n, ROWS_KINDS[n]) for n in rows_kinds):
         def refill(n, temp=temp):
@@ -227,8 +237,15 @@ def slot_bench_inputs(ap: argparse.ArgumentParser, a, name: str, default_widths)
         ap.error(f"--batches: each in 1..{a.slots}")
     if a.steps_per_launch < 1:
         ap.error(f"--steps-per-launch: expected an int >= 1, got {a.steps_per_launch}")
+    if min(a.iters, a.repeats) < 1:
+        ap.error(f"--iters, --repeats: expected ints >= 1, got {a.iters}, {a.repeats}")
     G = drafter.config.block_size if drafter is not None else 0
     widths = [int(x) for x in a.widths.split(",")] if a.widths else default_widths(G)
+    if any(not 1 <= w <= G + 1 for w in widths):
+        ap.error(f"--widths: each in 1..{G + 1} (1: plain steps; {G + 1}: the drafter's whole block), got {widths}")
+    problem = room_problem(a.max_len, a.prompt_len, G, a.iters, a.steps_per_launch, widths)
+    if problem:
+        ap.error(problem)
     prompts = [p.tolist() for p in jdata.heldout_prompts(a.slots, a.prompt_len, tokenizer=tok)]
     return target, drafter, prompts, batches, widths
 

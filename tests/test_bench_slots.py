@@ -58,3 +58,15 @@ def test_step_times_per_batch_and_width(pair):
         ("greedy", c) for c in (False, True)}
     with pytest.raises(ValueError, match="overflow"):
         bench_slots.run(*pair, prompts, slots=2, max_len=40, batches=[1], widths=[4], iters=8, repeats=1)
+
+
+def test_room_problem_and_width_flags(capsys):
+    """The cache bound as a rule of its own (said before the pair loads its programs), and --widths outside the
+    drafter's block a usage error naming it."""
+    assert bench_slots.room_problem(320, 128, 7, 8, 1, [8]) is None
+    assert "overflow the 320-position caches" in bench_slots.room_problem(320, 128, 7, 100, 1, [8])
+    for args, said in ((["--widths", "9"], "--widths: each in 1..8"), (["--iters", "0"], "--iters, --repeats"),
+                       (["--iters", "100"], "overflow the 320-position caches")):
+        with pytest.raises(SystemExit):
+            bench_slots.main(args)
+        assert said in capsys.readouterr().err
