@@ -564,6 +564,14 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     sp = SamplingParams(float(temperature), int(top_k), float(top_p), float(min_p))
+    if not -2 ** 63 <= int(seed) < 2 ** 63:
+        raise ValueError(f"seed: expected an int in [-2**63, 2**63), got {seed}")
+    if eos_token_id is not None and int(eos_token_id) not in range(-1, cfg.vocab_size):
+        raise ValueError(f"eos_token_id: expected a token id in [0, {cfg.vocab_size}) or -1 (none), got {eos_token_id}")
+    if isinstance(min_tokens, (int, np.integer)) and min_tokens > max_new_tokens:  # as vLLM
+        raise ValueError(f"min_tokens: expected at most max_new_tokens ({max_new_tokens}), got {min_tokens}")
+    if not isinstance(prompt_bucket, (int, np.integer)) or prompt_bucket < 1:
+        raise ValueError(f"prompt_bucket: expected an int >= 1, got {prompt_bucket!r}")
     if not repetition_penalty > 0:
         raise ValueError(f"repetition_penalty: expected > 0 (1: off), got {repetition_penalty}")
     pen = Penalties(float(repetition_penalty), float(frequency_penalty), float(presence_penalty))

@@ -116,6 +116,12 @@ def test_bad_input(tiny_cfg):
         speculative.generate(target, None, [1, 2], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         speculative.generate(target, None, [1, 2], temperature=1.0, top_p=0.0)
+    for kw, said in ((dict(seed=2 ** 70), "seed: expected an int in"),
+                     (dict(eos_token_id=tiny_cfg.vocab_size), "eos_token_id: expected a token id in"),
+                     (dict(min_tokens=5), r"min_tokens: expected at most max_new_tokens \(4\)"),
+                     (dict(prompt_bucket=0), "prompt_bucket: expected an int >= 1")):
+        with pytest.raises(ValueError, match=said):  # each said before anything compiles
+            speculative.generate(target, None, [1, 2], max_new_tokens=4, **kw)
 
 
 @pytest.fixture(scope="module")
