@@ -265,13 +265,13 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
 
 def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None,
-                      penalties=None, controls=None, fsm=None):
+                      penalties=None, controls=None, fsm=None, first_allowed_V=None):
     """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
     graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass),
     penalties (``sampling.Penalties`` or None);
     traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill), ``controls``
     (``LogitControls`` or None), ``fsm`` (a ``jdspark.grammar`` table by token classes, (next_QC, class_V), or
-    None).
+    None), ``first_allowed_V`` (bool [V], the first token's ids, or None).
 
     ``stream`` (a host function of the newly committed token ids) is called once per step through
     ``io_callback``; it makes the host wait on every step, so speed is measured without it."""
@@ -281,7 +281,8 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
                                 cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties,
-                                controls=controls, grammar=None if fsm is None else (0, *fsm))
+                                controls=controls, grammar=None if fsm is None else (0, *fsm),
+                                first_allowed_V=first_allowed_V)
     return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream, penalties)
 
 
@@ -318,7 +319,7 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
                    chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None,
                    want_prompt_logprobs=None, penalties: Optional[Penalties] = None,
-                   controls: Optional[LogitControls] = None, grammar=None):
+                   controls: Optional[LogitControls] = None, grammar=None, first_allowed_V=None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
@@ -338,7 +339,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     ``controls`` (``LogitControls``, with ``penalties``; None: none) the request's logit_bias and min_tokens.
     ``grammar`` (None: the stream carries no automaton): (state int32: 0 constrained, -1 not; table by token classes
     int32 [Q, C]; each id's class int32 [V]), ``jdspark.grammar``: the first token is drawn from the masked logits,
-    and every step's after it."""
+    and every step's after it. ``first_allowed_V`` (bool [V]; None: all): the only ids the first token is drawn
+    from (token healing, ``kimi.tokenizer.Tokenizer.heal``); the steps after it are not masked."""
     if chunk is not None and media_MD is not None:
         raise ValueError("a prompt with images is prefilled in one pass (chunked prefill with images is not built)")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
@@ -379,6 +381,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
                                              taps_init=dcache, logits_fn=prompt_entries if with_prompt else None)
         last_1V, prompt_lp = (got[0], jax.tree.map(lambda x: x[0], got[1])) if with_prompt else (got, None)
         last_logits = last_1V[0]
+    if first_allowed_V is not None:
+        last_logits = jnp.where(first_allowed_V, last_logits, -jnp.inf)
     k0, key = rng.split(key)
     row = Stream(None, cache, dcache, key)
     if penalties is not None:
@@ -529,7 +533,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
              prompt_bucket: int = 64, stream=None, prefill_chunk: Optional[int] = None,
              max_len: Optional[int] = None, images=None, repetition_penalty: float = 1.0,
              frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: Optional[dict] = None,
-             min_tokens: int = 0, min_p: float = 0.0, allowed_token_ids=(), grammar=None) -> GenerateOutput:
+             min_tokens: int = 0, min_p: float = 0.0, allowed_token_ids=(), grammar=None,
+             first_token_ids=()) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
@@ -550,7 +555,10 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     below min_p x the likeliest's probability are not drawn (``sampling.SamplingParams``; 0: off);
     ``allowed_token_ids`` (vLLM's; empty: all): the only tokens drawn, a logit control. ``grammar``
     (``jdspark.grammar.TokenFSM``, None: none): the output is constrained to its language, then EOS (which must be
-    one of the table's stop ids), masked at every position the step verifies (lossless)."""
+    one of the table's stop ids), masked at every position the step verifies (lossless). ``first_token_ids``
+    (empty: all): the only ids the first generated token is drawn from, the steps after it unmasked (token
+    healing: ``kimi.tokenizer.Tokenizer.heal`` gives the prompt without its last token and these ids); the first
+    token comes from the prefill in both modes, so DSpark stays lossless."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
@@ -602,13 +610,19 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
             raise ValueError(f"grammar: expected a table [Q, {cfg.vocab_size}], got shape {table.shape}")
         C = grammar.classes[0].shape[1]  # padded to a power of two: a program per (Q, bucket), not per automaton
         fsm = grammar.device_tables(min(cfg.vocab_size, max(8, 1 << (C - 1).bit_length())))
+    first_allowed = None
+    if len(first_token_ids):
+        check_token_ids(np.asarray(first_token_ids), cfg.vocab_size, "first_token_ids")
+        first_allowed = np.zeros(cfg.vocab_size, bool)
+        first_allowed[np.asarray(first_token_ids)] = True
     served_t, served_d = serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
     d_graph, d_state = nnx.split(served_d) if served_d is not None else (None, None)
     out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
                                       float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
-                                      jax.random.key(seed), stream, chunk, media, pen, controls, fsm)
+                                      jax.random.key(seed), stream, chunk, media, pen, controls, fsm,
+                                      None if first_allowed is None else jnp.asarray(first_allowed))
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 

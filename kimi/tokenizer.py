@@ -26,7 +26,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence
 
 import jinja2.ext
 import jinja2.nodes
@@ -110,6 +110,15 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+class Healing(NamedTuple):
+    """``Tokenizer.heal``'s result: the prompt's ids without their last token, that token's text (which the
+    completion's text begins with: a reader shows the completion after it), and the ids the first generated token
+    may be (those whose bytes begin with the text)."""
+    ids: list
+    text: str
+    first_ids: tuple
 
 
 class Tokenizer:
@@ -196,6 +205,31 @@ class Tokenizer:
     def decode(self, ids, *, skip_special: bool = True, keep_special=frozenset()) -> str:
         return self.decode_bytes(ids, skip_special=skip_special, keep_special=keep_special).decode(
             "utf-8", errors="replace")
+
+    # -------------------------------------------------------------- token healing
+    def heal(self, ids) -> Optional["Healing"]:
+        """Token healing (as guidance does it) of a prompt's ids: a prompt cut at a point where its text goes on
+        inside one token in the training text (code ending in ``"\n"``, whose indentation BPE merges into the
+        newline's token; a word's first letters) ends on a token the model rarely saw there. The last token is
+        taken off and the first generated token must begin with its bytes. None when the prompt ends on a special
+        id, on bytes that are not whole UTF-8 characters alone, or has nothing before its last token."""
+        arr = self.check_ids(ids)
+        if arr.size < 2 or int(arr[-1]) in self.special_ids:
+            return None
+        tail = self.token_bytes(int(arr[-1]))
+        try:
+            text = tail.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+        return Healing(arr[:-1].tolist(), text, self._extending(tail)) if tail else None
+
+    def _extending(self, prefix: bytes) -> tuple:
+        """The ordinary ids whose bytes begin with ``prefix`` (it among them), cached: one pass over the vocabulary."""
+        cache = self.__dict__.setdefault("_extending_cache", {})
+        if prefix not in cache:
+            cache[prefix] = tuple(i for i, b in enumerate(self._token_bytes)
+                                  if b and b.startswith(prefix) and i not in self.special_ids)
+        return cache[prefix]
 
     def incremental_decoder(self, *, skip_special: bool = True, keep_special=frozenset()) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special=skip_special, keep_special=keep_special)

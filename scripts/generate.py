@@ -77,17 +77,23 @@ def encode(text: str, tokenizer) -> np.ndarray:
 
 
 class _Streamer:
-    """Prints committed tokens as text, holding back bytes that do not yet form a character."""
+    """Prints committed tokens as text, holding back bytes that do not yet form a character; the first
+    ``skip`` characters (a healed prompt's last token, printed with the prompt) are not printed again."""
 
-    def __init__(self, tokenizer):
-        self.dec = tokenizer.incremental_decoder()
+    def __init__(self, tokenizer, skip: int = 0):
+        self.dec, self.skip = tokenizer.incremental_decoder(), skip
 
-    def __call__(self, ids):
-        sys.stdout.write(self.dec.add(np.asarray(ids).reshape(-1)))
+    def _write(self, text: str):
+        cut = min(self.skip, len(text))
+        self.skip -= cut
+        sys.stdout.write(text[cut:])
         sys.stdout.flush()
 
+    def __call__(self, ids):
+        self._write(self.dec.add(np.asarray(ids).reshape(-1)))
+
     def close(self):
-        sys.stdout.write(self.dec.flush())
+        self._write(self.dec.flush())
 
 
 def with_images(ids, paths, cfg, ckpt):
@@ -169,6 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json-schema", metavar="SCHEMA", help="constrain the output to a JSON document this JSON "
                     "Schema validates (inline JSON, or @PATH; '{}' any JSON object; jdspark.json_schema), then EOS")
     ap.add_argument("--regex", metavar="PATTERN", help="constrain the output to a text PATTERN matches whole, then EOS")
+    ap.add_argument("--no-token-healing", dest="token_healing", action="store_false",
+                    help="keep the prompt's last token (by default it is taken off and the first new token must "
+                         "begin with its text: a prompt ending in a newline gets its indentation; "
+                         "kimi.tokenizer.Tokenizer.heal)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line, last")
     a = ap.parse_args(argv)
     if sum(x is not None for x in (a.prompt, a.prompt_file)) + bool(a.demo) != 1:
@@ -199,15 +209,18 @@ def main(argv=None) -> int:
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
               seed=a.seed, prefill_chunk=a.prefill_chunk, grammar=constraint(ap, a, tokenizer, target.config))
+    healed = tokenizer.heal(ids) if a.token_healing and kw["grammar"] is None and not a.image else None
+    if healed is not None:  # not with a constraint (it takes the text from the prompt's end) or images
+        ids, kw["first_token_ids"] = np.asarray(healed.ids, np.int32), healed.first_ids
 
     sys.stdout.write(prompt)
     sys.stdout.flush()
-    streamer = _Streamer(tokenizer)
+    streamer = _Streamer(tokenizer, skip=0 if healed is None else len(healed.text))
     streamed = jdspark.generate(target, drafter, ids, stream=streamer, **kw)
     streamer.close()
     sys.stdout.write("\n")
     result = {"mode": "ar" if drafter is None else "dspark", "new_tokens": streamed.num_tokens,
-              "stats": streamed.stats.as_dict()}
+              "stats": streamed.stats.as_dict(), "token_healing": None if healed is None else healed.text}
     if not a.no_compare:
         modes = [("ar", None)] + ([("dspark", drafter)] if drafter is not None else [])
         for _, d in modes:  # compile and warm up, excluded from the timing
@@ -229,7 +242,8 @@ def main(argv=None) -> int:
                           accept_len=s["accept_len"], per_position_accept=s["per_position_accept"])
     how = "greedy" if a.temperature == 0 else (f"sampled: temperature {a.temperature}, top-k {a.top_k or 'off'}, "
                                                f"top-p {a.top_p}, min-p {a.min_p or 'off'}, seed {a.seed}")
-    lines = [f"mode {result['mode']}, {result['new_tokens']} new tokens ({how}; {tokenizer.kind} tokenizer)"]
+    heal = "" if healed is None else f"; token healing: the prompt's last token {healed.text!r} drawn again"
+    lines = [f"mode {result['mode']}, {result['new_tokens']} new tokens ({how}; {tokenizer.kind} tokenizer{heal})"]
     st = result["stats"]
     if drafter is not None:
         pp = " ".join(f"{x:.2f}" for x in st["per_position_accept"])

@@ -359,6 +359,27 @@ def test_generate_script_builds_the_constraint(tmp_path):
         gen.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x"])
 
 
+def test_generate_script_prints_a_healed_token_once(capsys):
+    """With token healing the prompt's last token is printed with the prompt; the stream's first characters (the
+    same text, which the first new token begins with) are not printed again, however the ids split them."""
+    import os
+    import sys
+
+    from kimi.tokenizer import ByteTokenizer
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    import generate as gen
+
+    tok = ByteTokenizer()
+    ids = tok.encode("\n  x = é")
+    for skip, want in ((0, "\n  x = é"), (1, "  x = é"), (3, "x = é")):
+        s = gen._Streamer(tok, skip=skip)
+        for i in ids:  # one id at a time: the é's two bytes arrive apart
+            s([i])
+        s.close()
+        assert capsys.readouterr().out == want
+
+
 @pytest.mark.parametrize("flag,value,said", [("--temperature", "-1", "--temperature: expected >= 0, got -1.0"),
                                              ("--top-p", "0", "--top-p: expected in (0, 1], got 0.0"),
                                              ("--top-k", "-2", "--top-k: expected >= 0"),

@@ -274,3 +274,29 @@ def test_a_narrow_step_decodes_the_whole_block_s_first_drafts(tiny_cfg):
             np.testing.assert_allclose(np.asarray(s_n), np.asarray(surv)[:n], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="n_slots: expected 1..4"):
         block(SamplingParams(), 5)
+
+
+def test_first_token_ids_mask_the_first_draw_only(tiny_cfg):
+    """Token healing's mask (``first_token_ids``): the first token is the likeliest of the allowed ids under the
+    model's own prefill (an independent reference: public prefill + decode), the tokens after it the plain greedy
+    continuation from there, unmasked; DSpark gives the same tokens (the first comes from the prefill in both
+    modes), and another allowed set reuses the program (the mask is traced)."""
+    cfg = tiny_cfg
+    target = scaled_target(cfg, 0.1)
+    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0)), 0.1, 30.0)
+    prompt = np.random.default_rng(7).integers(3, cfg.vocab_size, size=11)
+    logits = np.asarray(target.prefill(prompt[None].astype(np.int32), target.init_cache(1, 16)).logits)[0, -1]
+    order = np.argsort(-logits)
+    allowed = tuple(int(i) for i in order[5:9])  # the model's 6th-9th likeliest: never its own first choice
+    n = speculative.compiled_programs()
+    ar = speculative.generate(target, None, prompt, max_new_tokens=24, eos_token_id=-1, first_token_ids=allowed)
+    assert ar.tokens[0] == order[5]
+    want = greedy_reference(target, np.concatenate([prompt, ar.tokens[:1]]), 23)
+    np.testing.assert_array_equal(ar.tokens[1:], want)  # the steps after the first are not masked
+    sp = speculative.generate(target, drafter, prompt, max_new_tokens=24, eos_token_id=-1, first_token_ids=allowed)
+    np.testing.assert_array_equal(sp.tokens, ar.tokens)
+    again = speculative.generate(target, None, prompt, max_new_tokens=24, eos_token_id=-1,
+                                 first_token_ids=(int(order[3]),))
+    assert again.tokens[0] == order[3] and speculative.compiled_programs() == n + 2
+    with pytest.raises(ValueError, match="first_token_ids: token ids"):
+        speculative.generate(target, None, prompt, max_new_tokens=4, first_token_ids=(cfg.vocab_size,))

@@ -145,6 +145,29 @@ def test_incremental_decode_holds_back_split_characters(kind, hf_dir, kimi_dir):
     assert dec.add(ByteTokenizer().encode("a世")[:3]) == "a" and dec.flush() == "\ufffd"
 
 
+@pytest.mark.parametrize("kind", ["bytes", "hf", "kimi"])
+def test_heal_takes_off_the_last_token_and_lists_what_may_begin_the_answer(kind, hf_dir, kimi_dir):
+    """``Tokenizer.heal``: the ids without the last one, its text, and every ordinary id whose bytes begin with it
+    (a brute-force pass over the vocabulary here); nothing to heal after a special id, a lone id, or bytes that are
+    not whole characters."""
+    tok = {"bytes": lambda: ByteTokenizer(), "hf": lambda: load_tokenizer(hf_dir),
+           "kimi": lambda: load_tokenizer(kimi_dir[0])}[kind]()
+    for text in ("def f(x):\n", "x = foo", "naïve"):
+        ids = tok.encode(text, bos=tok.bos_id is not None)
+        healed = tok.heal(ids)
+        tail = tok.token_bytes(ids[-1])
+        assert healed.ids == ids[:-1] and healed.text.encode("utf-8") == tail
+        want = [i for i in range(tok.vocab_size)
+                if i not in tok.special_ids and tok.token_bytes(i) and tok.token_bytes(i).startswith(tail)]
+        assert list(healed.first_ids) == want and ids[-1] in want
+    assert tok.heal(tok.encode("x")) is None  # nothing before the last token
+    if tok.eos_id is not None:
+        assert tok.heal(tok.encode("ab") + [tok.eos_id]) is None
+    split = [i for i in tok.encode("日本") if not _is_complete_utf8(tok.token_bytes(i))]
+    if split:  # a vocabulary that splits the character: its last byte alone is not healed
+        assert tok.heal(tok.encode("a") + [split[-1]]) is None
+
+
 def _is_complete_utf8(b: bytes) -> bool:
     try:
         b.decode("utf-8")
