@@ -52,9 +52,10 @@ from jdspark.graphs import split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
+from jdspark.serving_copy import serving_pair
 from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, insert_row, step_rows
 from jdspark.slot_startup import StartUp
-from jdspark.speculative import prefill_stream, serving_pair
+from jdspark.speculative import prefill_stream
 from jdspark.stop_strings import STOP_CLASSES, STOP_STATES, set_stops
 from kimi import dispatch
 from kimi.prefill import chunked_positions

@@ -14,7 +14,7 @@ One step, batch 1 (the stream one user waits on), positions n = tokens the targe
             bonus is the next anchor.
 ``drafter=None`` runs plain decoding through the same loop (one target decode per step). A small model is served
 from a copy of its weights laid out for these passes, made once per set of weights and kept between calls
-(``serving_pair``; ``kimi.model.with_serving_layout``, ``jdspark.drafter.with_serving_layout``).
+(``jdspark.serving_copy.serving_pair``; ``kimi.model.with_serving_layout``, ``jdspark.drafter.with_serving_layout``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from jax.experimental import io_callback
 
 from jdspark import rng
 from jdspark.drafter import check_target
-from jdspark.drafter import with_serving_layout as drafter_serving_layout
 from jdspark.logprobs import TokenLogprobs, token_logprobs, when
 from jdspark.sampling import (
     LogitControls,
@@ -42,10 +41,11 @@ from jdspark.sampling import (
     sample,
     unless_greedy,
 )
+from jdspark.serving_copy import serving_pair
 from jdspark.stream_logits import advanced, counted, penalized, recounted, seen
 from kimi import dispatch
 from kimi.cache import KimiCache, select_verified
-from kimi.model import check_token_ids, with_serving_layout
+from kimi.model import check_token_ids
 from kimi.prefill import chunked_positions, prefill_chunked
 
 
@@ -219,41 +219,6 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
     else:
         n_verify = jnp.int32(n)
     return drafts_N, logq_NV, n_verify, survival
-
-
-_kept: dict = {}  # role -> (key, the weight arrays it was made from, the serving copy): one entry per role
-
-
-def _serving_copy(role: str, module, make, *key_extra):
-    """``make(module)``, kept for the last module of this role: keyed by its graph, ``key_extra`` and the identity
-    of every weight array (jax arrays are immutable: new weights are new arrays, hence a new copy); the entry holds
-    those arrays, so no identity is reused while it stands."""
-    graph, state = nnx.split(module)
-    weights = jax.tree_util.tree_leaves(state)
-    key = (graph, key_extra, tuple(map(id, weights)))
-    hit = _kept.get(role)
-    if hit is not None and hit[0] == key:
-        return hit[2]
-    copy = make(module)
-    _kept[role] = (key, weights, copy)
-    return copy
-
-
-def serving_pair(target, drafter):
-    """The (target, drafter) a generation runs: their serving copies when ``kimi.dispatch.serving_copy`` says so
-    (MXFP4 experts dequantised, projections fused, weights in ``serving_dtype``), else the modules themselves.
-
-    Made outside any program and kept for the last target and the last drafter given (one entry each, so plain
-    and DSpark generations of one target share its copy): ``generate`` used to rebuild the copy at the start of
-    every call's program, a fixed cost in each call's time to the first token. Only a small model is copied
-    (``dispatch.serving_copy``'s budget), so keeping the copy between calls holds at most that."""
-    if not dispatch.serving_copy(target.config, target.partition.sharded):
-        return target, drafter
-    dtype = target.config.serving_dtype
-    served_t = _serving_copy("target", target, with_serving_layout)
-    served_d = None if drafter is None else _serving_copy(
-        "drafter", drafter, lambda d: drafter_serving_layout(d, dtype), dtype)
-    return served_t, served_d
 
 
 def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -> int:

@@ -54,7 +54,8 @@ from flax import nnx  # noqa: E402
 from jdspark import data as jdata  # noqa: E402
 from jdspark.drafter import parse_context_window, ring_from_linear, with_context_window  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
-from jdspark.speculative import Stream, cache_positions, decode_loop, prefill_stream, serving_pair  # noqa: E402
+from jdspark.serving_copy import serving_pair  # noqa: E402
+from jdspark.speculative import Stream, cache_positions, decode_loop, prefill_stream  # noqa: E402
 from kimi import dispatch  # noqa: E402
 
 DEFAULT_LENGTHS = (1024, 8192, 32768, 131072)

@@ -468,7 +468,7 @@ def ring_from_linear(cache: DrafterCache, window: int) -> DrafterCache:
 
 
 def with_serving_layout(drafter: DSparkDrafter, serving_dtype: str = "float32") -> DSparkDrafter:
-    """The drafter as a generation serves it, made once per set of weights (``jdspark.speculative.serving_pair``): the
+    """The drafter as a generation serves it, made once per set of weights (``jdspark.serving_copy.serving_pair``): the
     projections that read the same input side by side (``kimi.layers.project_many``: q|k|v and k|v of each layer's
     attention, gate|up of its MLP), the matmul weights in ``serving_dtype`` (the target's). Same weights, same
     results up to float summation order (and bf16 rounding of the matmul inputs)."""

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import kimi
-from jdspark import speculative
+from jdspark import serving_copy, speculative
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import SamplingRequest
 from jdspark.grammar import TokenFSM
@@ -33,7 +33,7 @@ T_LAW, N_LAW, ALPHA = 11, 3000, 1e-4  # tokens per draw (the prefill's + at leas
 def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: int, seed: int, penalties=None,
             controls=None):
     """n independent generations of T_LAW tokens, vmapped over the key: (tokens [n, T_LAW], GenStats of [n])."""
-    served_t, served_d = speculative.serving_pair(target, drafter)
+    served_t, served_d = serving_copy.serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
     d_graph, d_state = nnx.split(served_d)
     padded = jnp.asarray(np.array(prompt, np.int32)[None])

@@ -18,7 +18,7 @@ from flax import nnx
 
 import jdspark
 import kimi
-from jdspark import speculative
+from jdspark import serving_copy, speculative
 from tests.oracle_drafter import assert_histogram, greedy_reference, histogram, oracle_drafter
 
 _OUT_PROJ = {"o_proj", "down_proj", "routed_expert_up_proj"}
@@ -215,7 +215,7 @@ def test_bf16_serving_prefill_of_many_rows_reads_the_copy(mxfp4_target, monkeypa
 
 
 def test_serving_copy_is_kept_until_the_weights_change(mxfp4_target):
-    """generate serves a copy made once per set of weights (``speculative.serving_pair``): a second call, and plain
+    """generate serves a copy made once per set of weights (``serving_copy.serving_pair``): a second call, and plain
     decoding beside DSpark, reuse the target's copy; weights changed in place (new arrays) get a new copy, so the
     changed model is what is served, token for token, never the stale copy."""
     fixture, toks, _ = mxfp4_target
@@ -223,18 +223,18 @@ def test_serving_copy_is_kept_until_the_weights_change(mxfp4_target):
     drafter = jdspark.DSparkDrafter(
         jdspark.DSparkConfig.for_target(target.config, block_size=4, mask_token_id=target.config.pad_token_id),
         target=target, rngs=nnx.Rngs(1))
-    served_t, served_d = speculative.serving_pair(target, drafter)
+    served_t, served_d = serving_copy.serving_pair(target, drafter)
     assert served_t is not target and served_d is not drafter  # a copy (dequantised, fused)
-    again_t, again_d = speculative.serving_pair(target, drafter)
+    again_t, again_d = serving_copy.serving_pair(target, drafter)
     assert again_t is served_t and again_d is served_d
-    assert speculative.serving_pair(target, None)[0] is served_t  # plain decoding shares the target's copy
+    assert serving_copy.serving_pair(target, None)[0] is served_t  # plain decoding shares the target's copy
     before = speculative.generate(target, drafter, toks[0], max_new_tokens=12, eos_token_id=-1).tokens
-    assert speculative.serving_pair(target, drafter)[0] is served_t
+    assert serving_copy.serving_pair(target, drafter)[0] is served_t
 
     other = kimi.KimiForCausalLM(target.config, rngs=nnx.Rngs(9))
     nnx.update(target, nnx.state(other))  # the same module, every weight a new array
-    assert speculative.serving_pair(target, drafter)[0] is not served_t
-    assert speculative.serving_pair(target, drafter)[1] is served_d  # the drafter's weights did not change
+    assert serving_copy.serving_pair(target, drafter)[0] is not served_t
+    assert serving_copy.serving_pair(target, drafter)[1] is served_d  # the drafter's weights did not change
     want = greedy_reference(target, toks[0], 12)
     assert not np.array_equal(want, before)  # the change is visible in the tokens
     np.testing.assert_array_equal(speculative.generate(target, drafter, toks[0], max_new_tokens=12,
