@@ -134,6 +134,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.special_ids = frozenset(self.special_tokens.values())
         self._special_bytes = {i: n.encode("utf-8") for n, i in self.special_tokens.items()}
+        self._extending_cache: dict = {}  # Tokenizer.heal's first ids, by the healed token's bytes
         n = max([len(self._token_bytes) - 1, *self.special_ids, -1]) + 1
         self.vocab_size = int(vocab_size if vocab_size is not None else n)
         if self.vocab_size < n:
@@ -225,11 +226,10 @@ class Tokenizer:
 
     def _extending(self, prefix: bytes) -> tuple:
         """The ordinary ids whose bytes begin with ``prefix`` (it among them), cached: one pass over the vocabulary."""
-        cache = self.__dict__.setdefault("_extending_cache", {})
-        if prefix not in cache:
-            cache[prefix] = tuple(i for i, b in enumerate(self._token_bytes)
-                                  if b and b.startswith(prefix) and i not in self.special_ids)
-        return cache[prefix]
+        if prefix not in self._extending_cache:
+            self._extending_cache[prefix] = tuple(i for i, b in enumerate(self._token_bytes)
+                                                  if b and b.startswith(prefix) and i not in self.special_ids)
+        return self._extending_cache[prefix]
 
     def incremental_decoder(self, *, skip_special: bool = True, keep_special=frozenset()) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special=skip_special, keep_special=keep_special)
