@@ -35,6 +35,9 @@ def list_python_files(root):
 '''
 
 
+# --heldout's prompts: as long as scripts/bench.py's (--prompt-len), so the figures compare with its code rows
+HELDOUT_PROMPT_LEN = 128
+
 # Generations serve bf16 matmul weights (fp32 accumulation; kimi/ops/linear.py): on this CPU both plain decoding
 # and DSpark run faster than with fp32 weights, and the shipped pair's greedy output on the bench prompts is the same.
 DEFAULT_SERVING_DTYPE = "bfloat16"
@@ -118,6 +121,56 @@ def with_images(ids, paths, cfg, ckpt):
     return np.array(image_lib.expand_placeholders(ids, vin.grid_thw, cfg.vision), np.int32), vin
 
 
+def side_by_side(target, drafter, runs, repeats: int) -> dict:
+    """Plain decoding against DSpark (``drafter``; None: plain only) on each (prompt ids, ``jdspark.generate``
+    keywords) of ``runs``: both modes compiled and warmed up first (excluded), then ``repeats`` timed runs of each,
+    the modes interleaved; the fastest run of each (prompt, mode) counts (a shared machine's noise only adds time).
+    Returns tok/s over all the prompts (new tokens / summed seconds, each prompt's prefill included) and DSpark's
+    pooled acceptance: accept_len = (accepted + steps) / steps and the per-position acceptance, summed over the
+    prompts' steps."""
+    modes = [("ar", None)] + ([("spec", drafter)] if drafter is not None else [])
+    for ids, kw in runs:
+        for _, d in modes:
+            jdspark.generate(target, d, ids, **kw)
+    seconds, tokens = {m: 0.0 for m, _ in modes}, {m: 0 for m, _ in modes}
+    steps = accepted = 0
+    counts = None
+    for ids, kw in runs:
+        best = {}
+        for _ in range(repeats):
+            for name, d in modes:
+                t0 = time.perf_counter()
+                out = jdspark.generate(target, d, ids, **kw)
+                sec = time.perf_counter() - t0
+                if sec < best.get(name, (float("inf"),))[0]:
+                    best[name] = (sec, out)
+        for name, (sec, out) in best.items():
+            seconds[name] += sec
+            tokens[name] += out.num_tokens
+        if drafter is not None:
+            st = best["spec"][1].stats
+            steps, accepted = steps + int(st.target_steps), accepted + int(st.accepted)
+            c = np.asarray(st.accept_counts, np.int64)
+            counts = c if counts is None else counts + c
+    res = {"ar_tok_s": tokens["ar"] / seconds["ar"]}
+    if drafter is not None:
+        res.update(spec_tok_s=tokens["spec"] / seconds["spec"], accept_len=(accepted + steps) / steps,
+                   per_position_accept=(counts / steps).tolist())
+        res["speedup"] = res["spec_tok_s"] / res["ar_tok_s"]
+    return res
+
+
+def heldout_code_prompts(tokenizer, n: int) -> list:
+    """The first ``n`` prompts of ``scripts/bench.py``'s code workload (held-out stdlib files, cut at line starts,
+    ``HELDOUT_PROMPT_LEN`` tokens with BOS; seed 0): files no part of the pair was trained on."""
+    from jdspark import data as jdata
+    from jdspark import workloads
+
+    cut = jdata.prompts_from_documents(workloads.documents("code"), n, HELDOUT_PROMPT_LEN, seed=0,
+                                       tokenizer=tokenizer)
+    return [np.asarray(p, np.int32) for p in cut]
+
+
 def constraint(ap, a, tokenizer, cfg):
     """--json-schema / --regex as a ``jdspark.grammar.TokenFSM`` (None: neither), EOS its stop."""
     from jdspark.grammar import regex_automaton, vocab_fsm
@@ -163,6 +216,9 @@ def main(argv=None) -> int:
                          "default: the checkpoint's (the shipped drafter's: 64, from which it accepts more than "
                          "from a longer context, docs/performance.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side timing")
+    ap.add_argument("--heldout", type=int, default=None, metavar="N", help="also time both modes on N held-out "
+                    "code prompts (bench.py's code workload: one prompt's figures move far from the next's); "
+                    "default 4 with --demo, else 0")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each mode, interleaved (the fastest "
                     "counts)")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=DEFAULT_SERVING_DTYPE,
@@ -191,6 +247,12 @@ def main(argv=None) -> int:
             ap.error(f"--prompt-file {a.prompt_file}: expected a readable UTF-8 text file ({e})")
     if a.max_new_tokens < 1 or a.repeats < 1:
         ap.error("--max-new-tokens and --repeats must be >= 1")
+    plain_text = a.json_schema is None and a.regex is None and not a.image
+    if a.heldout is None:
+        a.heldout = 4 if a.demo and plain_text and not a.no_compare else 0
+    if a.heldout < 0 or (a.heldout and (not plain_text or a.no_compare)):
+        ap.error(f"--heldout: expected a count >= 0, and 0 with --no-compare, --json-schema, --regex or --image; "
+                 f"got {a.heldout}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
     try:  # the sampling flags, checked where generate checks them, before the pair loads
@@ -222,24 +284,17 @@ def main(argv=None) -> int:
     result = {"mode": "ar" if drafter is None else "dspark", "new_tokens": streamed.num_tokens,
               "stats": streamed.stats.as_dict(), "token_healing": None if healed is None else healed.text}
     if not a.no_compare:
-        modes = [("ar", None)] + ([("dspark", drafter)] if drafter is not None else [])
-        for _, d in modes:  # compile and warm up, excluded from the timing
-            jdspark.generate(target, d, ids, **kw)
-        best, runs = {}, {}
-        for _ in range(a.repeats):  # the modes interleaved; the fastest run of each counts
-            for name, d in modes:
-                t0 = time.perf_counter()
-                out = jdspark.generate(target, d, ids, **kw)
-                sec = time.perf_counter() - t0
-                if sec < best.get(name, float("inf")):
-                    best[name] = sec
-                    runs[name] = {"tok_s": out.num_tokens / sec, "tokens": out.num_tokens, "seconds": sec,
-                                  "stats": out.stats.as_dict()}
-        result["ar_tok_s"] = runs["ar"]["tok_s"]
-        if "dspark" in runs:
-            s = runs["dspark"]["stats"]
-            result.update(spec_tok_s=runs["dspark"]["tok_s"], speedup=runs["dspark"]["tok_s"] / runs["ar"]["tok_s"],
-                          accept_len=s["accept_len"], per_position_accept=s["per_position_accept"])
+        runs = side_by_side(target, drafter, [(ids, kw)], a.repeats)
+        result["ar_tok_s"] = runs["ar_tok_s"]
+        if drafter is not None:
+            result.update({k: runs[k] for k in ("spec_tok_s", "speedup", "accept_len", "per_position_accept")})
+        if a.heldout:
+            held = heldout_code_prompts(tokenizer, a.heldout)
+            hkw = {k: v for k, v in kw.items() if k not in ("grammar", "first_token_ids")}
+            runs = side_by_side(target, drafter, [(p, dict(hkw, seed=a.seed + i)) for i, p in enumerate(held)],
+                                a.repeats)
+            result["heldout_code"] = {"prompts": len(held), "prompt_len": HELDOUT_PROMPT_LEN,
+                                      "new_tokens": a.max_new_tokens, **runs}
     how = "greedy" if a.temperature == 0 else (f"sampled: temperature {a.temperature}, top-k {a.top_k or 'off'}, "
                                                f"top-p {a.top_p}, min-p {a.min_p or 'off'}, seed {a.seed}")
     heal = "" if healed is None else f"; token healing: the prompt's last token {healed.text!r} drawn again"
@@ -255,6 +310,12 @@ def main(argv=None) -> int:
         lines.append(f"DSpark {result['spec_tok_s']:.1f} tok/s  ->  speedup {result['speedup']:.2f}x "
                      f"(measured side by side, compile excluded, "
                      f"the prompt's prefill included)")
+    h = result.get("heldout_code")
+    if h is not None:  # one prompt's figures move far: the same on held-out code (bench.py's code workload)
+        ratio = "" if "speedup" not in h else (f", DSpark {h['spec_tok_s']:.1f} tok/s -> speedup {h['speedup']:.2f}x, "
+                                              f"accept_len {h['accept_len']:.2f}")
+        lines.append(f"held-out code ({h['prompts']} stdlib prompts of {h['prompt_len']} tokens cut at line starts, "
+                     f"not healed; {h['new_tokens']} new tokens each): plain {h['ar_tok_s']:.1f} tok/s{ratio}")
     print("\n".join("[jdspark] " + ln for ln in lines), file=sys.stderr)
     if a.json:
         print(json.dumps(result, separators=(",", ":")))

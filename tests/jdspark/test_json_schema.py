@@ -383,8 +383,11 @@ def test_generate_script_prints_a_healed_token_once(capsys):
 @pytest.mark.parametrize("flag,value,said", [("--temperature", "-1", "--temperature: expected >= 0, got -1.0"),
                                              ("--top-p", "0", "--top-p: expected in (0, 1], got 0.0"),
                                              ("--top-k", "-2", "--top-k: expected >= 0"),
-                                             ("--min-p", "1.5", "--min-p: expected in [0, 1]")])
-def test_generate_script_names_a_bad_sampling_flag(tmp_path, capsys, flag, value, said):
+                                             ("--min-p", "1.5", "--min-p: expected in [0, 1]"),
+                                             ("--heldout", "-1", "--heldout: expected a count >= 0"),
+                                             ("--heldout", "2 --no-compare", "0 with --no-compare"),
+                                             ("--heldout", "2 --regex a+", "0 with --no-compare, --json-schema")])
+def test_generate_script_names_a_bad_flag(tmp_path, capsys, flag, value, said):
     """A usage error naming the flag, before the pair loads (the folder given is not there: a later error)."""
     import os
     import sys
@@ -393,7 +396,7 @@ def test_generate_script_names_a_bad_sampling_flag(tmp_path, capsys, flag, value
     import generate as gen
 
     with pytest.raises(SystemExit):
-        gen.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x", flag, value])
+        gen.main(["--checkpoint", str(tmp_path / "none"), "--prompt", "x", flag, *value.split()])
     assert said in capsys.readouterr().err
 
 

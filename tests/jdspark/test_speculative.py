@@ -300,3 +300,34 @@ def test_first_token_ids_mask_the_first_draw_only(tiny_cfg):
     assert again.tokens[0] == order[3] and speculative.compiled_programs() == n + 2
     with pytest.raises(ValueError, match="first_token_ids: token ids"):
         speculative.generate(target, None, prompt, max_new_tokens=4, first_token_ids=(cfg.vocab_size,))
+
+
+def test_generate_script_side_by_side_pools_its_prompts(tiny_cfg):
+    """``scripts/generate.py``'s side-by-side figures (the demo's and --heldout's): DSpark's acceptance pooled over
+    the prompts' steps, (accepted + steps) / steps and per-position counts / steps, equal to the sums of each
+    prompt's own generation (two prompts of different acceptance: a mean of per-prompt ratios would differ), the
+    keywords of each prompt its own; with no drafter, plain figures only."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+    import generate as gen
+
+    cfg = tiny_cfg
+    target = scaled_target(cfg, 0.1)
+    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0)), 0.1, 30.0)
+    rng = np.random.default_rng(8)
+    runs = [(rng.integers(3, cfg.vocab_size, size=11), dict(max_new_tokens=24, eos_token_id=-1, seed=s))
+            for s in (0, 1)]
+    runs[1][1].update(temperature=1.0)
+    stats = [speculative.generate(target, drafter, p, **kw).stats for p, kw in runs]
+    steps = sum(int(st.target_steps) for st in stats)
+    accepted = sum(int(st.accepted) for st in stats)
+    assert len({round(st.accept_len, 6) for st in stats}) == 2
+    got = gen.side_by_side(target, drafter, runs, repeats=1)
+    assert got["accept_len"] == pytest.approx((accepted + steps) / steps)
+    counts = sum(np.asarray(st.accept_counts, np.int64) for st in stats)
+    np.testing.assert_allclose(got["per_position_accept"], counts / steps)
+    assert got["spec_tok_s"] > 0 and got["ar_tok_s"] > 0
+    assert got["speedup"] == pytest.approx(got["spec_tok_s"] / got["ar_tok_s"])
+    assert set(gen.side_by_side(target, None, runs[:1], repeats=1)) == {"ar_tok_s"}
