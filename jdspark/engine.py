@@ -74,6 +74,7 @@ class SamplingRequest:
     # the request ignores it), which min_tokens holds back
     min_p: float = 0.0  # ``sampling.SamplingParams.min_p`` (0: off)
     allowed_token_ids: tuple = ()  # vLLM's: the only tokens that may be drawn (empty: all), a logit control
+    first_token_ids: tuple = ()  # the only tokens the first may be (empty: all): token healing (``Request.healed``)
     grammar: Optional[object] = dataclasses.field(default=None, compare=False)  # ``jdspark.grammar.TokenFSM``: the
     # output constrained to its language (guided_choice), then EOS
     stop_fsm: Optional[object] = dataclasses.field(default=None, compare=False)  # ``jdspark.stop_strings.StopFSM``:
@@ -131,6 +132,9 @@ class Request:
     ignore_eos: bool = False
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text keeps the stop string that ended it
     keep_special: frozenset = frozenset()  # special ids its text shows (a tool-call format's markers)
+    healed: str = ""  # token healing (``kimi.tokenizer.Tokenizer.heal``): the text of the prompt's last token, taken
+    # off its prompt ids; the first token (one of ``sampling.first_token_ids``) begins with it, and it is left out
+    # of the request's text (its client sent it): stop strings are matched in what follows it
     id: str = ""
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     # filled by the engine
@@ -214,7 +218,8 @@ class Engine:
         """Queue ``reqs`` together (one response's choices), all or none: QueueFull when they do not all fit."""
         reqs = list(reqs)
         for req in reqs:  # outside the lock: a new set of stop strings walks the vocabulary (~10 ms over 4096 ids)
-            if req.stop and not req.sampling.min_tokens and getattr(self.backend, "stop_states", 0):
+            # (not for a healed request: its ids begin with text its own is not, where the host finds them alone)
+            if req.stop and not req.sampling.min_tokens and not req.healed and getattr(self.backend, "stop_states", 0):
                 # its stop strings as an automaton over the ids (a backend ends its row where the text holds one)
                 req.sampling = dataclasses.replace(req.sampling, stop_fsm=stop_fsm(
                     tuple(req.stop), self.tokenizer, frozenset(req.keep_special), self.backend.stop_states))
@@ -231,7 +236,7 @@ class Engine:
                     # knows the request ends there (a launch whose rows have all ended stops: slot_programs.step_rows)
                     req.sampling = dataclasses.replace(
                         req.sampling, stop_token_ids=tuple(req.sampling.stop_token_ids) + (self.eos,))
-                req.decoder = self.tokenizer.incremental_decoder(keep_special=req.keep_special)
+                req.decoder = self.tokenizer.incremental_decoder(keep_special=req.keep_special, skip_prefix=req.healed)
                 self.waiting.append(req)
             self._gauges()
             self._cv.notify()

@@ -103,7 +103,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
               max_n: int = 1, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0,
-              guided_classes: Optional[int] = None) -> FastAPI:
+              guided_classes: Optional[int] = None, token_healing: bool = False) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
@@ -200,7 +200,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                 reqs.append(EngineRequest(
                     ranked if j == 0 else dataclasses.replace(ranked, seed=(ranked.seed + j) % 2 ** 63),
                     lambda ev, i=i: mailbox.post(events, (i, ev)), stop=x.stop, ignore_eos=x.ignore_eos,
-                    include_stop_str=x.include_stop_str, keep_special=keep))
+                    include_stop_str=x.include_stop_str, keep_special=keep, healed=x.healed))
         return reqs
 
     def submit(reqs: list):
@@ -218,7 +218,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
             chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
             max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties,
-            guided_states=guided_states, guided_classes=guided_classes, **kw)
+            guided_states=guided_states, guided_classes=guided_classes, token_healing=token_healing, **kw)
 
     async def serve(request: Request, chat: bool):
         if not is_ready():
@@ -419,6 +419,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="think: a chat answer's <think>...</think> reasoning goes to message.reasoning_content "
                          "(delta.reasoning_content when streamed), the rest to content (a thinking model's "
                          "checkpoint); none: the whole text is content")
+    ap.add_argument("--token-healing", action="store_true",
+                    help="heal /v1/completions prompts by default (the last token taken off, the first new one "
+                         "beginning with its text: a code prompt ending in a newline gets its indentation; a "
+                         "request's \"token_healing\": false keeps its prompt; without this flag a request asks "
+                         "with \"token_healing\": true)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     plan = multi_step_plan(jax.default_backend())
@@ -535,7 +540,7 @@ def main(argv=None) -> int:
                     tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
                     penalties=backend.penalties, guided_states=backend.guided_states,
-                    guided_classes=backend.guided_classes)
+                    guided_classes=backend.guided_classes, token_healing=a.token_healing)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

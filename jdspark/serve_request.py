@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 from jdspark import reasoning
 from jdspark.engine import SamplingRequest
 from jdspark.serve_errors import ApiError, get_field
-from jdspark.serve_guided import forced_tool, guided_constraint
+from jdspark.serve_guided import forced_tool, guided_constraint, guided_request
 from jdspark.serve_media import MediaError, encode_with_images, message_text
 from kimi.tokenizer import PLAIN_CHAT_TEMPLATE
 
@@ -65,6 +65,7 @@ class Parsed(NamedTuple):
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage): every
     # streamed chunk carries the usage so far
     prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities and ranks, this many top
+    healed: str = ""  # token healing: the prompt's last token's text, taken off its ids (``engine.Request.healed``)
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -73,7 +74,8 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      max_logprobs: Optional[int] = None, max_n: int = 1,
                      tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
                      penalties: bool = True, default_max_tokens: Optional[int] = 16,
-                     guided_states: int = 0, guided_classes: Optional[int] = None) -> Parsed:
+                     guided_states: int = 0, guided_classes: Optional[int] = None,
+                     token_healing: bool = False) -> Parsed:
     """A request body's ``Parsed`` form, or ApiError. ``default_max_tokens``: a request's ``max_tokens`` when it
     names none (None: the rest of the context after its prompt, as the Responses API's ``max_output_tokens``);
     ``max_n``: the most choices a request may ask (``n``);
@@ -82,16 +84,39 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     ``penalties``: whether the server applies repetition / frequency / presence penalties, logit_bias and
     min_tokens (``--penalties``); ``guided_states``: the most automaton states a constrained request may take
     (``--guided-states``; 0: none is served), ``guided_classes`` the most token classes (``--guided-classes``;
-    None: any).
+    None: any); ``token_healing``: heal a /v1/completions prompt unless it says ``"token_healing": false``
+    (``--token-healing``; ``_healing``).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
                       max_logprobs, max_n, tool_parser, reasoning_parser, penalties, default_max_tokens,
-                      guided_states, guided_classes)
+                      guided_states, guided_classes, token_healing)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
+
+
+def _healing(body: dict, tokenizer, ids, chat: bool, default: bool, clashes: dict):
+    """Token healing of a completions prompt (``kimi.tokenizer.Tokenizer.heal``; an extension field,
+    ``"token_healing"``, default ``default``): the prompt's last token is taken off and the first generated token
+    must begin with its text, which the answer's text then leaves out (the client sent it). A code prompt ending in
+    a newline otherwise ends on a token the model seldom saw there (BPE merges a newline with the next line's
+    indentation) and the answer dedents. ``clashes`` ({field: asked}): what it is not served with, a 400 when the
+    request asks for both (log-probabilities: the first token's text begins in the prompt; a grammar or
+    allowed_token_ids: their masks and healing's may leave no token), else the server's default yields. None:
+    not healed (not asked, or a prompt that ends on a special token or has nothing before its last token)."""
+    asked = get_field(body, "token_healing", (bool,), None, what="a boolean")
+    clash = next((name for name, on in clashes.items() if on), None)
+    if asked and chat:
+        raise ApiError(400, "'token_healing' is only taken on /v1/completions (a chat prompt ends on its template's "
+                            "tokens)", "token_healing", code="unsupported")
+    if asked and clash is not None:
+        raise ApiError(400, f"'token_healing' is not served with '{clash}' (the first token's text begins in the "
+                            "prompt; a constraint's mask and healing's may leave no token)", "token_healing",
+                       code="unsupported")
+    heal = asked if asked is not None else default and not chat and clash is None
+    return tokenizer.heal(ids) if heal else None
 
 
 def _logit_bias(body: dict, vocab_size: int) -> tuple:
@@ -317,7 +342,7 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
            max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16,
-           guided_states=0, guided_classes=None):
+           guided_states=0, guided_classes=None, token_healing=False):
     check_body(body, model_name)
     reject_unsupported(body)
     if chat and body.get("echo") not in (None, False):
@@ -407,12 +432,18 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
     if best_of > n and stream:
         raise ApiError(400, "'best_of' > 'n' cannot be streamed (the likeliest are known only when all have ended)",
                        "best_of")
+    healed = _healing(body, tokenizer, ids, chat, token_healing, {
+        "logprobs": logprobs is not None, "prompt_logprobs": plp is not None, "allowed_token_ids": bool(allowed),
+        guided_request(body)[0] if grammar is not None else "guided_regex": grammar is not None})
+    if healed is not None:
+        ids = healed.ids
     sp = SamplingRequest(tuple(int(t) for t in ids), int(max_tokens), temperature, top_p, max(int(top_k), 0),
                          int(seed), bool(speculative), spec_mode, images=vin, logprobs=logprobs,
                          prompt_logprobs=prefilled, logit_bias=logit_bias,
                          min_tokens=int(min_tokens), stop_token_ids=tuple(dict.fromkeys(stop_ids)), min_p=min_p,
-                         allowed_token_ids=tuple(sorted(set(allowed))), grammar=grammar, **penalties)
+                         allowed_token_ids=tuple(sorted(set(allowed))), grammar=grammar,
+                         first_token_ids=() if healed is None else tuple(healed.first_ids), **penalties)
     skip_special = get_field(body, "skip_special_tokens", (bool,), True, what="a boolean")
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special),
-                  bool(include_usage and continuous), plp)
+                  bool(include_usage and continuous), plp, "" if healed is None else healed.text)

@@ -51,8 +51,9 @@ from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.graphs import split_module
 from jdspark.logprobs import host_entries
 from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
-from jdspark.sampling import Penalties, SamplingParams, logit_controls
+from jdspark.sampling import Penalties, SamplingParams
 from jdspark.serving_copy import serving_pair
+from jdspark.slot_inputs import controls_input, first_token_input, grammar_input
 from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, insert_row, step_rows
 from jdspark.slot_startup import StartUp
 from jdspark.speculative import prefill_stream
@@ -172,6 +173,7 @@ class SlotBackend(StartUp):
                              f"{guided_classes}")
         self.guided_states = int(guided_states)
         self.guided_classes = min(int(guided_classes), self.cfg.vocab_size)
+        self._every_id = first_token_input(self.cfg.vocab_size, None)  # a first token unmasked
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
@@ -287,6 +289,7 @@ class SlotBackend(StartUp):
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
         grammar = self._grammar(req)
+        first_V = first_token_input(self.cfg.vocab_size, req)
         stops = list(req.stop_token_ids)[:STOP_IDS] if not req.min_tokens else []  # more: the launch runs them all
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p,
                              *stops, *[-1] * (STOP_IDS - len(stops)))
@@ -296,9 +299,9 @@ class SlotBackend(StartUp):
         self.inserts[slot] += 1
         if hit is None:
             first, lp = self._prefill(slot, padded, n, req.seed, samp, media, chunk,
-                                       ptop >= 0, pen, controls, grammar)
+                                       ptop >= 0, pen, controls, grammar, first_V)
         else:
-            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, samp, pen, controls)
+            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, samp, pen, controls, first_V)
         self._set_stops(slot, req)
         row = self.prefix.store(req.prompt_ids) if keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
@@ -324,76 +327,51 @@ class SlotBackend(StartUp):
             self.state = set_stops(self.state, np.int32(slot), *tables)
 
     def _controls(self, req: Optional[SamplingRequest] = None):
-        """The request's ``LogitControls`` (None: a request asking for none) where the programs carry them
-        (``penalties``), else None."""
-        if not self.penalties:
-            return None
-        if req is None:
-            return logit_controls(self.cfg.vocab_size, None, 0, always=True)
-        return logit_controls(self.cfg.vocab_size, dict(req.logit_bias), req.min_tokens, req.stop_token_ids,
-                              always=True, allowed_ids=req.allowed_token_ids)
+        return controls_input(self.cfg.vocab_size, req, self.penalties)  # (``jdspark.slot_inputs``)
 
     def _grammar(self, req: Optional[SamplingRequest] = None):
-        """The request's automaton as the insert program takes it, (state, table by token classes [Q, C] padded to
-        the slots' Q and C, each id's class [V]): state 0 for a constrained request, -1 for any other; None where
-        the slots carry none."""
-        if not self.guided_states:
-            if req is not None and req.grammar is not None:
-                raise ValueError("grammar (guided decoding): this backend was built without it "
-                                 "(SlotBackend(guided_states=Q); the server's --guided-states)")
-            return None
-        V, Q, C = self.cfg.vocab_size, self.guided_states, self.guided_classes
-        table = np.full((Q, C), -1, np.int32)
-        if req is None or req.grammar is None:
-            return np.int32(-1), table, np.zeros((V,), np.int32)
-        t = np.asarray(req.grammar.next_QV, np.int32)
-        if t.ndim != 2 or t.shape[1] != V or t.shape[0] > Q:
-            raise ValueError(f"grammar: a table of {t.shape[0] if t.ndim == 2 else '?'} states over "
-                             f"{t.shape[-1] if t.ndim else '?'} tokens; these slots take at most {Q} states over {V}")
-        next_QC, class_V = req.grammar.device_tables(C)
-        table[:t.shape[0]] = next_QC
-        return np.int32(0), table, class_V
+        return grammar_input(self.cfg.vocab_size, self.guided_states, self.guided_classes, req)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                penalties=(1.0, 0.0, 0.0), controls=None):
+                penalties=(1.0, 0.0, 0.0), controls=None, first_V=None):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
         (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
         else None)."""
-        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, samp, penalties, controls),
-                                        **self._extend_kw())
+        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, samp, penalties, controls,
+                                                           first_V), **self._extend_kw())
         return first, (lp[0] if lp else None)
 
     def _extend_kw(self) -> dict:
         return dict(logprobs=self.max_logprobs, penalties=self.penalties)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                     penalties=(1.0, 0.0, 0.0), controls=None) -> tuple:
+                     penalties=(1.0, 0.0, 0.0), controls=None, first_V=None) -> tuple:
         """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                 np.asarray(penalties, np.float32),
-                self._controls() if controls is None else controls)
+                self._controls() if controls is None else controls, self._every_id if first_V is None else first_V)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
-                 penalties=(1.0, 0.0, 0.0), controls=None, grammar=None):
+                 penalties=(1.0, 0.0, 0.0), controls=None, grammar=None, first_V=None):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, samp, media_PD, chunk, prompt_logprobs, penalties,
-                                     controls, grammar)
+                                     controls, grammar, first_V)
         self.state, first, *lp = insert_row(*args, **kw)
         return first, (lp[0] if lp else None)
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk,
                      prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None,
-                     grammar=None) -> tuple:
+                     grammar=None, first_V=None) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
         want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                  np.asarray(penalties, np.float32), media_PD, want,
                  self._controls() if controls is None else controls,
-                 self._grammar() if grammar is None else grammar),
+                 self._grammar() if grammar is None else grammar, self._every_id if first_V is None else first_V),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):

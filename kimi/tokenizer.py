@@ -97,19 +97,30 @@ def gpt2_byte_decoder() -> dict[str, int]:
 
 class IncrementalDecoder:
     """Text from a stream of ids: ``add(ids)`` returns the text that is complete so far; bytes of a character not
-    yet finished are held back (never emitted as U+FFFD) until a later id completes it or ``flush()``."""
+    yet finished are held back (never emitted as U+FFFD) until a later id completes it or ``flush()``.
 
-    def __init__(self, tokenizer: "Tokenizer", *, skip_special: bool = True, keep_special=frozenset()):
+    ``skip_prefix``: text the stream begins with that its reader already has, left out of what is returned (a
+    healed prompt's last token, ``Tokenizer.heal``: the first generated token begins with its text), however the
+    ids split it."""
+
+    def __init__(self, tokenizer: "Tokenizer", *, skip_special: bool = True, keep_special=frozenset(),
+                 skip_prefix: str = ""):
         self._tok = tokenizer
         self._skip, self._keep = skip_special, frozenset(keep_special)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._drop = len(skip_prefix)  # characters of the prefix not yet left out
+
+    def _after_prefix(self, text: str) -> str:
+        cut = min(self._drop, len(text))
+        self._drop -= cut
+        return text[cut:]
 
     def add(self, ids) -> str:
-        return self._utf8.decode(self._tok.decode_bytes(ids, skip_special=self._skip, keep_special=self._keep),
-                                 final=False)
+        return self._after_prefix(self._utf8.decode(
+            self._tok.decode_bytes(ids, skip_special=self._skip, keep_special=self._keep), final=False))
 
     def flush(self) -> str:
-        return self._utf8.decode(b"", final=True)
+        return self._after_prefix(self._utf8.decode(b"", final=True))
 
 
 class Healing(NamedTuple):
@@ -231,8 +242,9 @@ class Tokenizer:
                                                   if b and b.startswith(prefix) and i not in self.special_ids)
         return self._extending_cache[prefix]
 
-    def incremental_decoder(self, *, skip_special: bool = True, keep_special=frozenset()) -> IncrementalDecoder:
-        return IncrementalDecoder(self, skip_special=skip_special, keep_special=keep_special)
+    def incremental_decoder(self, *, skip_special: bool = True, keep_special=frozenset(),
+                            skip_prefix: str = "") -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special=skip_special, keep_special=keep_special, skip_prefix=skip_prefix)
 
     # -------------------------------------------------------------- chat
     def apply_chat_template(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,

@@ -80,16 +80,14 @@ def encode(text: str, tokenizer) -> np.ndarray:
 
 
 class _Streamer:
-    """Prints committed tokens as text, holding back bytes that do not yet form a character; the first
-    ``skip`` characters (a healed prompt's last token, printed with the prompt) are not printed again."""
+    """Prints committed tokens as text, holding back bytes that do not yet form a character; ``skip_prefix`` (a
+    healed prompt's last token, printed with the prompt) is not printed again."""
 
-    def __init__(self, tokenizer, skip: int = 0):
-        self.dec, self.skip = tokenizer.incremental_decoder(), skip
+    def __init__(self, tokenizer, skip_prefix: str = ""):
+        self.dec = tokenizer.incremental_decoder(skip_prefix=skip_prefix)
 
     def _write(self, text: str):
-        cut = min(self.skip, len(text))
-        self.skip -= cut
-        sys.stdout.write(text[cut:])
+        sys.stdout.write(text)
         sys.stdout.flush()
 
     def __call__(self, ids):
@@ -277,7 +275,7 @@ def main(argv=None) -> int:
 
     sys.stdout.write(prompt)
     sys.stdout.flush()
-    streamer = _Streamer(tokenizer, skip=0 if healed is None else len(healed.text))
+    streamer = _Streamer(tokenizer, skip_prefix="" if healed is None else healed.text)
     streamed = jdspark.generate(target, drafter, ids, stream=streamer, **kw)
     streamer.close()
     sys.stdout.write("\n")

@@ -58,6 +58,8 @@ class ScriptedBackend:
                 self.queued[slot] = list(ids) + [self.eos]
                 self.last[slot] = self.queued[slot].pop(0)
                 break
+        if req.first_token_ids:  # token healing: the first id the first token may be (the healed token itself)
+            self.last[slot] = req.first_token_ids[0]
         self.top[slot] = req.logprobs
         ptop = req.prompt_logprobs
         prompt = None if ptop is None else [None] + [scripted_logprob(t, ptop) + (scripted_rank(t),)

@@ -372,8 +372,8 @@ def test_generate_script_prints_a_healed_token_once(capsys):
 
     tok = ByteTokenizer()
     ids = tok.encode("\n  x = é")
-    for skip, want in ((0, "\n  x = é"), (1, "  x = é"), (3, "x = é")):
-        s = gen._Streamer(tok, skip=skip)
+    for skip, want in (("", "\n  x = é"), ("\n", "  x = é"), ("\n  ", "x = é"), ("\n  x = é", "")):
+        s = gen._Streamer(tok, skip_prefix=skip)
         for i in ids:  # one id at a time: the é's two bytes arrive apart
             s([i])
         s.close()

@@ -13,7 +13,7 @@ from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.prefix import PrefixPool
 from jdspark.serve_metrics import ServeMetrics
 from jdspark.slots import SlotBackend
-from tests.jdspark.test_slots import _wait_until_finished, pair  # noqa: F401  (the module's tiny pair fixture)
+from tests.jdspark.test_slots import MergingVocab, _wait_until_finished, pair  # noqa: F401  (the tiny pair fixture)
 
 
 def test_pool_keeps_the_longest_proper_prefix_and_evicts_the_least_recent():
@@ -125,6 +125,30 @@ def test_a_long_prompt_without_a_kept_prefix_is_refused_by_name(pair, backend): 
     with pytest.raises(ValueError, match="begins with no prompt the prefix cache keeps"):
         backend.insert(0, SamplingRequest(tuple([1] + [5] * 70), 4))
     assert len(backend.prefix) == 0
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)])
+def test_a_healed_prompt_extends_a_kept_one(pair, backend, setting):  # noqa: F811
+    """Token healing on a prefix-cache hit: the extension program masks the first draw as the insert program does
+    (the tokens equal batch-1 generate's of the whole healed prompt with the same ``first_token_ids``), and the
+    healed prompt finds the kept one."""
+    target, drafter, _ = pair
+    backend.prefix.clear()
+    rng = np.random.default_rng(5)
+    kept = [1] + rng.integers(3, target.config.vocab_size, 39).tolist()
+    backend.insert(0, SamplingRequest(tuple(kept), 2))  # its prompt kept
+    backend.free(0)
+    h = MergingVocab().heal(kept + rng.integers(3, target.config.vocab_size, 6).tolist() + [30])  # ends in "\n"
+    sp = SamplingRequest(tuple(h.ids), 16, seed=2, first_token_ids=h.first_ids, **setting)
+    out = backend.insert(1, sp)
+    assert out.cached == len(kept)
+    toks = list(out.tokens)
+    while len(toks) < 16:
+        toks += backend.step([1])[1].tokens
+    backend.free(1)
+    ref = jdspark.generate(target, drafter, np.array(h.ids), max_new_tokens=16, seed=2, eos_token_id=-1,
+                           first_token_ids=h.first_ids, **setting)
+    assert toks[:16] == list(ref.tokens) and toks[0] in h.first_ids
 
 
 def test_a_plain_backend_extends_too(pair):  # noqa: F811

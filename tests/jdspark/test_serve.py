@@ -292,6 +292,13 @@ BAD = [
     ({"prompt": "x", "logit_bias": {"five": 10}}, "key 'five' is not a token id in [0, 384)", "logit_bias", 400),
     ({"prompt": "x", "logit_bias": {"384": 1}}, "key '384' is not a token id", "logit_bias", 400),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "must be a number in [-100, 100], got 101", "logit_bias", 400),
+    ({"prompt": "xy", "token_healing": "yes"}, "'token_healing' must be a boolean", "token_healing", 400),
+    ({"prompt": "xy", "token_healing": True, "logprobs": 1}, "'token_healing' is not served with 'logprobs'",
+     "token_healing", 400),
+    ({"prompt": "xy", "token_healing": True, "guided_regex": "a+"}, "not served with 'guided_regex'",
+     "token_healing", 400),
+    ({"prompt": "xy", "token_healing": True, "allowed_token_ids": [97]}, "not served with 'allowed_token_ids'",
+     "token_healing", 400),
 ]
 
 

@@ -97,6 +97,47 @@ def test_echo_returns_the_prompt_and_its_log_probabilities(srv):
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
+def test_token_healing_leaves_the_healed_text_out(srv):
+    """``"token_healing": true`` (an extension field): the backend gets the prompt without its last token and the
+    ids its first token may be (the scripted backend draws the first of them, the healed byte itself), and the
+    answer's text leaves that byte out (its client sent it), streamed and not, echoed after the whole prompt; a stop
+    string equal to the healed text is matched in the answer's own text only; usage counts the ids prefilled.
+    Chat prompts end on their template's tokens: refused there by name."""
+    body = {"prompt": "abc", "max_tokens": 5, "token_healing": True, "stop": ["c"]}
+    r = httpx.post(srv.url + "/v1/completions", json=body).json()
+    assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("defg", "length")
+    sp = srv.backend.requests[-1]
+    assert sp.prompt_ids == (256, 97, 98) and sp.first_token_ids == (99,)  # BOS "ab"; "c" may begin the answer
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"]) == (3, 5)
+    assert "".join(c["choices"][0]["text"] for c in sse_chunks(srv, "/v1/completions", body)) == "defg"
+    echoed = httpx.post(srv.url + "/v1/completions", json={**body, "echo": True}).json()["choices"][0]["text"]
+    assert echoed == "abcdefg"
+    plain = httpx.post(srv.url + "/v1/completions", json={**body, "token_healing": False}).json()["choices"][0]
+    assert plain["text"] == "defgh" and srv.backend.requests[-1].first_token_ids == ()
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "token_healing": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing"
+
+
+def test_a_server_healing_by_default_yields_to_what_healing_is_not_served_with():
+    """``--token-healing`` (``parse_completion(token_healing=True)``): a completions prompt is healed unless it says
+    ``"token_healing": false``, or asks for what healing is not served with (log-probabilities, a constraint):
+    then it is served unhealed, not refused; chat prompts are never healed."""
+    tok = ByteTokenizer()
+    kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=256, model_name="m", max_logprobs=2,
+              guided_states=64, token_healing=True)
+    healed = parse_completion({"prompt": "ab"}, **kw)
+    assert healed.sampling.prompt_ids == (256, 97) and healed.sampling.first_token_ids == (98,)
+    assert healed.healed == "b"
+    for body in ({"prompt": "ab", "token_healing": False}, {"prompt": "ab", "logprobs": 1},
+                 {"prompt": "ab", "guided_regex": "x"}):
+        p = parse_completion(body, **kw)
+        assert p.sampling.prompt_ids == (256, 97, 98) and p.sampling.first_token_ids == () and p.healed == ""
+    chat = parse_completion({"messages": [{"role": "user", "content": "hi"}]}, chat=True, **kw)
+    assert chat.sampling.first_token_ids == () and chat.healed == ""
+    assert parse_completion({"prompt": [256]}, **kw).healed == ""  # nothing before the last token: not healed
+
+
 def test_a_server_without_logprobs_refuses_them():
     tok = ByteTokenizer()
     kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=1024, model_name="m", max_logprobs=None)

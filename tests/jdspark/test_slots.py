@@ -21,7 +21,7 @@ from jdspark.adaptive import CostTable, monotone_costs
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slots import SlotBackend, buckets_up_to
 from jdspark.stop_strings import stop_fsm
-from kimi.tokenizer import ByteTokenizer
+from kimi.tokenizer import ByteTokenizer, Tokenizer
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 
 MAX_NEW = 40
@@ -164,6 +164,72 @@ def test_sampled_slot_equals_generate(pair, backend):
         assert out[:MAX_NEW] == list(ref.tokens), (top_k, min_p)
         outs.append(out[:MAX_NEW])
     assert outs[3] != outs[0]  # min-p changed the draws (same seed)
+
+
+class MergingVocab(Tokenizer):
+    """64 ids whose pieces extend one another as a BPE vocabulary's do ("\n" < "\n " < "\n  " < "\n    ", "a" <
+    "ab" < "abc"), for the tiny pair: a healed prompt ending in "\n" or "a" leaves its first token a choice."""
+
+    kind = "test"
+
+    def __init__(self):
+        pieces = [None] * 3 + [bytes([c]) for c in b"abcdefghijklmnopqrstuvwxyz"]
+        pieces += [b" ", b"\n", b"\n ", b"\n  ", b"\n    ", b"ab", b"abc"]
+        pieces += [bytes([a, b]) for a in b"bcdef" for b in b"aeiou"][:64 - len(pieces)]
+        super().__init__(pieces, {"<pad>": 0, "<bos>": 1, "<eos>": 2}, vocab_size=64)
+
+
+def test_healed_requests_equal_batch_one_generate_and_leave_out_the_healed_text(pair, backend):
+    """Token healing served (``SamplingRequest.first_token_ids``, ``Request.healed``): among requests that are not
+    healed, each healed request's ids equal batch-1 generate's with the same ``first_token_ids`` (greedy, and
+    sampled at the fixed width), its first token one of them (not always the prompt's own last token); its text is
+    its ids' text without the healed text, and a stop string is found in that text only (one that the healed text
+    itself holds does not end the request at its first token, and none is set on the device)."""
+    target, drafter, _ = pair
+    tok = MergingVocab()
+    assert tok.heal([1, 30]).first_ids == (30, 31, 32, 33) and len(tok.heal([1, 3]).first_ids) > 2
+    cases = []  # (SamplingRequest, Healing or None, the reference's ids)
+    for i, p in enumerate(_prompts(10, 40, target.config.vocab_size)):
+        p = [int(t) for t in p[:28 + i]]
+        h = tok.heal(p[:-1] + [(30, 3)[i % 4 // 2]]) if i % 2 == 0 else None
+        sp = SamplingRequest(tuple(p if h is None else h.ids), 12 + i, seed=i, spec_mode="fixed",
+                             first_token_ids=() if h is None else h.first_ids, **SETTINGS[i // 2 % 2])
+        ref = jdspark.generate(target, drafter, np.array(sp.prompt_ids), max_new_tokens=sp.max_tokens, seed=sp.seed,
+                               temperature=sp.temperature, top_p=sp.top_p, eos_token_id=-1,
+                               first_token_ids=sp.first_token_ids)
+        cases.append((sp, h, [int(t) for t in ref.tokens]))
+    texts = [tok.decode(ids)[len(h.text) if h else 0:] for _, h, ids in cases]
+    # stop strings: the healed text itself ("\n": the ids' text begins with it, the request's does not), and
+    # three characters of another healed request's text
+    stops = {0: (cases[0][1].text,), 4: (texts[4][5:8],)}
+    on_device = backend.stops_on_device["set"]
+    eng = Engine(backend, tok, eos_token_id=None, max_waiting=32).start()
+    try:
+        reqs = [eng.submit(Request(sp, lambda ev: None, healed="" if h is None else h.text, stop=stops.get(i, ())))
+                for i, (sp, h, _) in enumerate(cases)]
+        _wait_until_finished(eng, reqs, 300)
+    finally:
+        eng.shutdown()
+    firsts = []
+    for r, (sp, h, ids), text in zip(reqs, cases, texts):
+        assert r.output_ids == ids[:len(r.output_ids)], (sp, r.output_ids, ids)
+        if h is not None:
+            assert r.output_ids[0] in h.first_ids and tok.decode(ids).startswith(h.text)
+            firsts.append(r.output_ids[0] != p_last(h, tok))
+        cut = min((text.find(x) for x in r.stop if x in text), default=-1)
+        if cut >= 0:
+            assert r.finished == "stop" and r.text == text[:cut] and len(r.output_ids) > 1
+        else:
+            assert r.finished == "length" and r.output_ids == ids and r.text == text
+    assert reqs[4].finished == "stop"
+    # no stop automaton on the device for a healed request: it would read the healed text and end the row there
+    assert backend.stops_on_device["set"] == on_device
+    assert any(firsts), "every healed request drew its prompt's own last token: the mask was not exercised"
+
+
+def p_last(h, tok) -> int:
+    """The id a healed prompt ended on (the one whose bytes are the healed text)."""
+    return next(i for i in h.first_ids if tok.token_bytes(i) == h.text.encode())
 
 
 def test_adaptive_re_times_a_width_it_has_not_run(backend):
