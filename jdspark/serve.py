@@ -61,7 +61,7 @@ import os
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import uvicorn
@@ -77,6 +77,7 @@ from jdspark.engine import Request as EngineRequest
 from jdspark.graphs import COMPILE_CACHE_DIR, pin_cpu_workers, use_compile_cache
 from jdspark.logprobs import MAX_LOGPROBS, prompt_logprobs_object
 from jdspark.prefix import tree_bytes
+from jdspark.serve_auth import ApiKeys
 from jdspark.serve_guided import guided_constraint
 from jdspark.serve_media import MediaError
 from jdspark.serve_metrics import ServeMetrics
@@ -103,8 +104,11 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               spec_modes: tuple = ("fixed", "adaptive"), vision=None, max_logprobs: Optional[int] = None,
               max_n: int = 1, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0,
-              guided_classes: Optional[int] = None, token_healing: bool = False) -> FastAPI:
+              guided_classes: Optional[int] = None, token_healing: bool = False,
+              api_keys: Sequence[str] = ()) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
+    if api_keys:  # every route but the probes and /metrics needs one of them (``jdspark.serve_auth``)
+        app.add_middleware(ApiKeys, keys=list(api_keys))
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
     mailboxes: dict = {}  # one per running event loop (a test may serve the same app from more than one)
@@ -424,8 +428,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "beginning with its text: a code prompt ending in a newline gets its indentation; a "
                          "request's \"token_healing\": false keeps its prompt; without this flag a request asks "
                          "with \"token_healing\": true)")
+    ap.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="answer only requests with 'Authorization: Bearer KEY' (repeatable: any of them; default: "
+                         "$JDSPARK_API_KEY, else none); /health, /ping, /version and /metrics stay open")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
+    if a.api_key is None:
+        a.api_key = [os.environ["JDSPARK_API_KEY"]] if os.environ.get("JDSPARK_API_KEY") else []
+    if any(not k.strip() for k in a.api_key):
+        ap.error("--api-key: expected a non-empty key")
     plan = multi_step_plan(jax.default_backend())
     a.multi_step = plan[0] if a.multi_step is None else a.multi_step
     a.multi_step_max_batch = plan[1] if a.multi_step_max_batch is None else a.multi_step_max_batch
@@ -540,7 +551,7 @@ def main(argv=None) -> int:
                     tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
                     penalties=backend.penalties, guided_states=backend.guided_states,
-                    guided_classes=backend.guided_classes, token_healing=a.token_healing)
+                    guided_classes=backend.guided_classes, token_healing=a.token_healing, api_keys=a.api_key)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

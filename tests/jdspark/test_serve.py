@@ -331,3 +331,44 @@ def test_bad_chat_messages(srv):
                                   ({"logprobs": True, "top_logprobs": 9}, "top_logprobs", "integer in 0..5")]:
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param and message in r.json()["error"]["message"]
+
+
+def test_api_keys_guard_every_route_but_the_probes(monkeypatch):
+    """``--api-key`` (repeatable; ``$JDSPARK_API_KEY``): a request without ``Authorization: Bearer <one of them>``
+    is a 401 in OpenAI's error body, on /v1 and /tokenize alike; /health, /ping, /version and /metrics stay open (a
+    load balancer's probes, Prometheus), and a keyed request streams as any other."""
+    from jdspark.serve import parse_args
+    from tests.jdspark.serve_helpers import LiveServer
+
+    s = LiveServer(num_slots=2, api_keys=("k1", "second key"))
+    try:
+        body = {"prompt": "abc", "max_tokens": 3}
+        for headers in ({}, {"Authorization": "Bearer k3"}, {"Authorization": "Basic k1"}, {"Authorization": "k1"},
+                        {"Authorization": "Bearer  k1x"}):
+            r = httpx.post(s.url + "/v1/completions", json=body, headers=headers)
+            assert r.status_code == 401, headers
+            err = r.json()["error"]
+            assert err["code"] == "invalid_api_key" and set(err) == {"message", "type", "param", "code"}
+        for path in ("/v1/models", "/v1/models/scripted"):
+            assert httpx.get(s.url + path).status_code == 401
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "ab"}).status_code == 401
+        for key in ("k1", "second key"):
+            r = httpx.post(s.url + "/v1/completions", json=body, headers={"Authorization": f"bearer {key}"})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("abc", 3)
+        ok = {"Authorization": "Bearer k1"}
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "ab"}, headers=ok).status_code == 200
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, headers=ok) as r:
+            lines = [ln for ln in r.iter_lines() if ln]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+        for path in ("/health", "/ping", "/version", "/metrics"):
+            assert httpx.get(s.url + path).status_code == 200, path
+        assert httpx.options(s.url + "/v1/completions").status_code != 401  # CORS preflight carries no key
+    finally:
+        s.close()
+    monkeypatch.setenv("JDSPARK_API_KEY", "from-env")
+    assert parse_args([]).api_key == ["from-env"] and parse_args(["--api-key", "a", "--api-key", "b"]).api_key == [
+        "a", "b"]
+    monkeypatch.delenv("JDSPARK_API_KEY")
+    assert parse_args([]).api_key == []
+    with pytest.raises(SystemExit):
+        parse_args(["--api-key", " "])
