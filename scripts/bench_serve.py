@@ -107,12 +107,13 @@ class HttpClient:
     new ``httpx`` client per request built an SSL context each time: ~22 ms of this CPU's time added to every
     request's TTFT, on the cores the server runs on)."""
 
-    def __init__(self, url: str, max_connections: int = 64):
+    def __init__(self, url: str, max_connections: int = 64, api_key: Optional[str] = None):
         import httpx
 
         self.url = url
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=max_connections,
-                                                                   max_keepalive_connections=max_connections))
+                                                                   max_keepalive_connections=max_connections),
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     def request(self, prompt_ids, max_tokens: int, temperature: float, seed: int, mode: str,
                 fields: Optional[dict] = None) -> dict:
@@ -484,6 +485,9 @@ def main(argv=None) -> int:
     where.add_argument("--url", help="a running server (loopback or your own host)")
     where.add_argument("--in-process", action="store_true",
                        help="the engine --launch would serve, in this process without HTTP (what HTTP costs)")
+    ap.add_argument("--api-key", default=os.environ.get("JDSPARK_API_KEY") or None,
+                    help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default: "
+                         "$JDSPARK_API_KEY, which a --launch server reads too)")
     ap.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "default"))
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--slots", type=int, default=16)
@@ -571,12 +575,12 @@ def main(argv=None) -> int:
     proc = None
     if a.launch:
         proc, url = launch(a.checkpoint, a.port, a.slots, extra=sized + server_args)
-        client = HttpClient(url)
+        client = HttpClient(url, api_key=a.api_key)
     elif a.in_process:
         client = EngineClient.from_server_args(["--checkpoint", a.checkpoint, "--slots", str(a.slots), *sized,
                                                 *server_args])
     else:
-        client = HttpClient(a.url)
+        client = HttpClient(a.url, api_key=a.api_key)
     cells = []
     try:
         seen = set()

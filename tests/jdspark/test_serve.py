@@ -5,6 +5,8 @@ what was served, the soak, the load test's client and the server's flags: test_s
 
 import importlib.metadata
 import json
+import os
+import sys
 
 import httpx
 import pytest
@@ -363,6 +365,13 @@ def test_api_keys_guard_every_route_but_the_probes(monkeypatch):
         for path in ("/health", "/ping", "/version", "/metrics"):
             assert httpx.get(s.url + path).status_code == 200, path
         assert httpx.options(s.url + "/v1/completions").status_code != 401  # CORS preflight carries no key
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
+        import bench_serve  # the load test's client sends the key
+
+
+        assert bench_serve.HttpClient(s.url, api_key="k1").request([256, 97], 3, 0.0, 0, "fixed")["tokens"] == 3
+        with pytest.raises(RuntimeError, match="HTTP 401"):
+            bench_serve.HttpClient(s.url).request([256, 97], 3, 0.0, 0, "fixed")
     finally:
         s.close()
     monkeypatch.setenv("JDSPARK_API_KEY", "from-env")
