@@ -8,19 +8,28 @@ From the deltas of the counters over the window:
 
     accept_len          = 1 + accepted / drafts            tokens a speculative step commits per slot
     acceptance_rate     = accepted / draft_tokens          a verified draft's chance to be kept
-    per_position_accept = accepted_at_k / drafts           draft k kept (vLLM's per-position figure; where the
-                                                           adaptive scheduler verified fewer than k + 1 drafts the
-                                                           step counts as not accepting k, so these are floors)
+    per_position_accept = accepted_at_k / drafts           draft k kept (vLLM's per-position figure; a step
+                                                           whose verify width left draft k out counts as not
+                                                           keeping it)
+    per_position_accept_when_verified = accepted_at_k / steps that verified draft k (a jdspark server: from its
+                                                           jdspark:verified_tokens_per_step histogram, the slot-steps
+                                                           of width >= k + 2)
     verified_per_slot_step = the mean of jdspark:verified_tokens_per_step (1: plain decoding)
 
 and from a jdspark server's cost table (``jdspark:step_cost_seconds``: what a step of b slots verifying W tokens
 costs this server, measured at start-up and by the steps it serves), per batch bucket b and verify width W:
 
     break_even  = T(b, W) / T(b, 1)                         tokens a step of width W must commit to pay
-    expected(W) = 1 + sum_{k < W - 1} per_position_accept_k what this traffic's steps commit at width W
+    expected(W) = 1 + sum_{k < W - 1} a_k                   what this traffic's steps commit at width W, a_k the
+                                                            acceptance of draft k when verified
     speedup(W)  = expected(W) / break_even                  against plain decoding at the same batch (the cost
                                                             model of ``jdspark.costmodel`` with this server's own
                                                             figures; > 1: speculation pays there)
+
+At a fixed verify width (``--spec fixed``) every step verifies every draft and both per-position figures are the
+same. Under adaptive verification the scheduler verifies a late draft only when its confidence is high, so a_k of
+the late drafts reads higher than a step that verified them always would keep, and vLLM's figure lower: expected(W)
+of a width the scheduler seldom ran is optimistic (``verified_steps`` says how many steps each a_k rests on).
 
 Prints one JSON object on one line with ``--json`` (else a short table on stderr too)."""
 
@@ -66,6 +75,11 @@ def report(before: Optional[str], after: str, seconds: Optional[float]) -> dict:
                         if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total"})
     per_pos = [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) / drafts
                if drafts else 0.0 for k in range(max(positions, default=-1) + 1)]
+    count = delta("jdspark:verified_tokens_per_step_count")
+    verified = [count - _bucket(a, b, "jdspark:verified_tokens_per_step_bucket", k + 1)
+                for k in range(len(per_pos))]  # slot-steps that verified draft k: width >= k + 2
+    when_verified = [delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) / n if n else None
+                     for k, n in enumerate(verified)]
     gen = delta("vllm:generation_tokens_total")
     finished = {dict(lab)["finished_reason"]: v - _total(b, n, **dict(lab)) for (n, lab), v in a.items()
                 if n == "vllm:request_success_total"}
@@ -79,23 +93,34 @@ def report(before: Optional[str], after: str, seconds: Optional[float]) -> dict:
            "drafts": int(drafts), "draft_tokens": int(draft_tokens), "accepted_tokens": int(accepted),
            "accept_len": 1 + accepted / drafts if drafts else None,
            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-           "per_position_accept": per_pos,
+           "per_position_accept": per_pos, "per_position_accept_when_verified": when_verified,
+           "verified_steps": [int(n) for n in verified],
            "verified_per_slot_step": mean("jdspark:verified_tokens_per_step"),
            "ttft_ms_mean": _ms(mean("vllm:time_to_first_token_seconds")),
            "itl_ms_mean": _ms(mean("vllm:inter_token_latency_seconds")),
            "e2e_ms_mean": _ms(mean("vllm:e2e_request_latency_seconds")),
            "running": int(_total(a, "vllm:num_requests_running")),
            "waiting": int(_total(a, "vllm:num_requests_waiting"))}
-    out["what_it_buys"] = _buys(a, per_pos)
+    rates = [w if w is not None else p for w, p in zip(when_verified, per_pos)]  # (no histogram: vLLM's)
+    out["what_it_buys"] = _buys(a, rates)
     return out
+
+
+def _bucket(after: dict, before: dict, name: str, le: float) -> float:
+    """A histogram's cumulative count at upper bound ``le``, after minus before (0 where it has no such bucket)."""
+    def at(m):
+        return sum(v for (n, lab), v in m.items() if n == name and dict(lab).get("le") not in (None, "+Inf")
+                   and float(dict(lab)["le"]) == le)
+    return at(after) - at(before)
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
     return None if seconds is None else seconds * 1e3
 
 
-def _buys(m: dict, per_pos: list) -> list:
-    """Per batch bucket of the cost table: each width's step time, break-even and this traffic's speedup there."""
+def _buys(m: dict, rates: list) -> list:
+    """Per batch bucket of the cost table: each width's step time, break-even and this traffic's speedup there
+    (``rates``: each draft position's acceptance when verified)."""
     table = {(int(dict(lab)["batch"]), int(dict(lab)["width"])): v for (n, lab), v in m.items()
              if n == "jdspark:step_cost_seconds"}
     rows = []
@@ -106,7 +131,7 @@ def _buys(m: dict, per_pos: list) -> list:
         widths = {}
         for w in sorted(x for bb, x in table if bb == batch and x > 1):
             even = table[(batch, w)] / plain
-            expected = 1 + sum(per_pos[:w - 1])
+            expected = 1 + sum(rates[:w - 1])
             widths[str(w)] = {"ms": table[(batch, w)] * 1e3, "break_even": even, "expected": expected,
                               "speedup": expected / even}
         rows.append({"batch": batch, "plain_ms": plain * 1e3, "widths": widths})

@@ -2,6 +2,8 @@
 responses' usage says was served (the scripted backend's steps: 4 drafts verified, 2 accepted, 5 tokens verified
 a slot-step, and a cost table of its own)."""
 
+import contextlib
+import io
 import json
 import os
 import sys
@@ -15,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import spec_metrics  # noqa: E402
 
 
-def test_spec_metrics_reads_what_was_served(capsys):
+def test_spec_metrics_reads_what_was_served():
     s = LiveServer(num_slots=2)
     try:
         before = httpx.get(s.url + "/metrics").text
@@ -39,10 +41,37 @@ def test_spec_metrics_reads_what_was_served(capsys):
             assert w5["break_even"] == pytest.approx(even) and w5["expected"] == pytest.approx(3.0)
             assert w5["speedup"] == pytest.approx(3.0 / even)
         assert [row["batch"] for row in r["what_it_buys"]] == [1, 2]
-        assert spec_metrics.main(["--url", s.url, "--window", "0", "--json"]) == 0
-        since_start = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        out = io.StringIO()  # (not capsys: the server's threads log to the stream they found at start)
+        with contextlib.redirect_stdout(out):
+            assert spec_metrics.main(["--url", s.url, "--window", "0", "--json"]) == 0
+        since_start = json.loads(out.getvalue().strip().splitlines()[-1])
         assert since_start["generation_tokens"] >= 21 and since_start["window_s"] is None
     finally:
         s.close()
     with pytest.raises(SystemExit, match="spec_metrics: .*/metrics"):
         spec_metrics.main(["--url", s.url, "--window", "0"])  # nothing answers there now
+
+
+def test_acceptance_when_verified_counts_only_the_steps_that_verified_each_draft():
+    """Steps of mixed verify widths (as adaptive verification serves them): draft k's acceptance when verified is
+    over the slot-steps of width >= k + 2 (from jdspark:verified_tokens_per_step), vLLM's per-position figure over
+    every speculative step; a window's figures are the deltas between two texts."""
+    import types
+
+    from jdspark.engine import StepOutput
+    from jdspark.serve_metrics import ServeMetrics
+
+    m = ServeMetrics("m", max_positions=8)
+    req = types.SimpleNamespace(first_token_at=0.0, last_token_at=0.0, arrival=0.0)
+    before = m.exposition().decode()
+    outs = [StepOutput([1, 2], drafted=1, accepted=1, verified=2)] * 6  # width 2: draft 0 kept six times
+    outs += [StepOutput([1] * 4, drafted=7, accepted=3, verified=8)] * 2  # width 8: drafts 0-2 kept, 3 rejected
+    outs += [StepOutput([1], drafted=0, accepted=0, verified=1)] * 3  # plain steps
+    m.step(req, outs, [1] * 19, 1.0, prefill=False)
+    r = spec_metrics.report(before, m.exposition().decode(), None)
+    assert (r["drafts"], r["draft_tokens"], r["accepted_tokens"]) == (8, 20, 12)
+    assert r["accept_len"] == pytest.approx(1 + 12 / 8) and r["verified_per_slot_step"] == pytest.approx(31 / 11)
+    assert r["per_position_accept"] == pytest.approx([1.0, 2 / 8, 2 / 8])
+    assert r["verified_steps"] == [8, 2, 2]
+    assert r["per_position_accept_when_verified"] == pytest.approx([1.0, 1.0, 1.0])
+    assert spec_metrics.report(m.exposition().decode(), m.exposition().decode(), 1.0)["drafts"] == 0
