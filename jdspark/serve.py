@@ -58,6 +58,7 @@ import gc
 import importlib.metadata
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -66,6 +67,7 @@ from typing import Optional, Sequence
 import jax
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 
 import kimi
@@ -105,10 +107,13 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               max_n: int = 1, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0,
               guided_classes: Optional[int] = None, token_healing: bool = False,
-              api_keys: Sequence[str] = ()) -> FastAPI:
+              api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     if api_keys:  # every route but the probes and /metrics needs one of them (``jdspark.serve_auth``)
         app.add_middleware(ApiKeys, keys=list(api_keys))
+    if allowed_origins:  # outermost: a preflight is answered, and a 401 carries the headers a browser reads it by
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     markers = tool_calls.marker_ids(tokenizer)  # the tool-call markers a request with tools decodes
     think = reasoning.marker_ids(tokenizer)  # and <think> / </think>, where they are special tokens
     mailboxes: dict = {}  # one per running event loop (a test may serve the same app from more than one)
@@ -342,6 +347,19 @@ def _positive_ints(text: str) -> tuple:
     return out
 
 
+def _origins(text: str) -> tuple:
+    """``--allowed-origins``' value: comma-separated origins (scheme://host[:port]) or '*', as vLLM's JSON list
+    too ('["http://a", "http://b"]')."""
+    raw = text.strip()
+    items = json.loads(raw) if raw.startswith("[") else raw.split(",")
+    out = tuple(str(x).strip().rstrip("/") for x in items if str(x).strip())
+    bad = [o for o in out if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]
+    if not out or bad:
+        raise argparse.ArgumentTypeError(f"expected comma-separated origins like http://localhost:3000 (or '*'), "
+                                         f"got {bad[0] if bad else text}")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The server's command line (``python -m jdspark.serve --help``)."""
     ap = argparse.ArgumentParser(prog="python -m jdspark.serve", description=__doc__.splitlines()[0])
@@ -431,6 +449,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--api-key", action="append", default=None, metavar="KEY",
                     help="answer only requests with 'Authorization: Bearer KEY' (repeatable: any of them; default: "
                          "$JDSPARK_API_KEY, else none); /health, /ping, /version and /metrics stay open")
+    ap.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGIN,...",
+                    help="web pages of these origins may call the server from a browser (CORS; '*': any; vLLM's "
+                         "flag, whose default is any: here none)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     if a.api_key is None:
@@ -551,7 +572,8 @@ def main(argv=None) -> int:
                     tool_parser=None if a.tool_call_parser == "none" else a.tool_call_parser,
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
                     penalties=backend.penalties, guided_states=backend.guided_states,
-                    guided_classes=backend.guided_classes, token_healing=a.token_healing, api_keys=a.api_key)
+                    guided_classes=backend.guided_classes, token_healing=a.token_healing, api_keys=a.api_key,
+                    allowed_origins=a.allowed_origins)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

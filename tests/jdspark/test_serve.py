@@ -381,3 +381,40 @@ def test_api_keys_guard_every_route_but_the_probes(monkeypatch):
     assert parse_args([]).api_key == []
     with pytest.raises(SystemExit):
         parse_args(["--api-key", " "])
+
+
+def test_allowed_origins_answer_a_browser_s_preflight_and_mark_the_answers():
+    """``--allowed-origins``: a listed origin's CORS preflight is answered and every answer to it (a 401 for a
+    missing API key too, so the page can read why) carries Access-Control-Allow-Origin; another origin's gets none,
+    nor does any origin on a server started without the flag (vLLM allows every origin by default)."""
+    from jdspark.serve import parse_args
+    from tests.jdspark.serve_helpers import LiveServer
+
+    page, other = "http://localhost:3000", "http://evil.example"
+    pre = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"prompt": "abc", "max_tokens": 2}
+    s = LiveServer(num_slots=1, api_keys=("k",), allowed_origins=(page,))
+    try:
+        r = httpx.options(s.url + "/v1/completions", headers={"Origin": page, **pre})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Origin": page, "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Origin": page})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == page
+        assert httpx.options(s.url + "/v1/completions", headers={"Origin": other, **pre}).status_code == 400
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Origin": other, "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in r.headers
+    finally:
+        s.close()
+    s = LiveServer(num_slots=1)
+    try:
+        r = httpx.post(s.url + "/v1/completions", json=body, headers={"Origin": page})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        s.close()
+    assert parse_args(["--allowed-origins", "http://a:1,https://b.example/"]).allowed_origins == (
+        "http://a:1", "https://b.example")
+    assert parse_args(["--allowed-origins", '["*"]']).allowed_origins == ("*",)
+    for bad in ("ftp://x", "localhost:3000", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--allowed-origins", bad])
