@@ -442,10 +442,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(delta.reasoning_content when streamed), the rest to content (a thinking model's "
                          "checkpoint); none: the whole text is content")
     ap.add_argument("--token-healing", action="store_true",
-                    help="heal /v1/completions prompts by default (the last token taken off, the first new one "
-                         "beginning with its text: a code prompt ending in a newline gets its indentation; a "
-                         "request's \"token_healing\": false keeps its prompt; without this flag a request asks "
-                         "with \"token_healing\": true)")
+                    help="heal prompts that end in text by default (/v1/completions, a chat continuing its final "
+                         "message): the last token taken off, the first new one beginning with its text (a code "
+                         "prompt ending in a newline gets its indentation); a request's \"token_healing\": false "
+                         "keeps its prompt; without this flag a request asks with \"token_healing\": true")
     ap.add_argument("--api-key", action="append", default=None, metavar="KEY",
                     help="answer only requests with 'Authorization: Bearer KEY' (repeatable: any of them; default: "
                          "$JDSPARK_API_KEY, else none); /health, /ping, /version and /metrics stay open")

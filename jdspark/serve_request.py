@@ -98,24 +98,28 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
 
 
 def _healing(body: dict, tokenizer, ids, chat: bool, default: bool, clashes: dict):
-    """Token healing of a completions prompt (``kimi.tokenizer.Tokenizer.heal``; an extension field,
-    ``"token_healing"``, default ``default``): the prompt's last token is taken off and the first generated token
-    must begin with its text, which the answer's text then leaves out (the client sent it). A code prompt ending in
-    a newline otherwise ends on a token the model seldom saw there (BPE merges a newline with the next line's
-    indentation) and the answer dedents. ``clashes`` ({field: asked}): what it is not served with, a 400 when the
-    request asks for both (log-probabilities: the first token's text begins in the prompt; a grammar or
-    allowed_token_ids: their masks and healing's may leave no token), else the server's default yields. None:
-    not healed (not asked, or a prompt that ends on a special token or has nothing before its last token)."""
+    """Token healing of a prompt that ends in text (``kimi.tokenizer.Tokenizer.heal``; an extension field,
+    ``"token_healing"``, default ``default``): a completions prompt, or a chat that continues its final message
+    (``continue_final_message``: an assistant's answer begun by the client). The prompt's last token is taken off
+    and the first generated token must begin with its text, which the answer's text then leaves out (the client
+    sent it). A code prompt ending in a newline otherwise ends on a token the model seldom saw there (BPE merges a
+    newline with the next line's indentation) and the answer dedents. ``clashes`` ({field: asked}): what it is not
+    served with, a 400 when the request asks for both (log-probabilities: the first token's text begins in the
+    prompt; a grammar or allowed_token_ids: their masks and healing's may leave no token), else the server's
+    default yields. None: not healed (not asked, or a prompt that ends on a special token or has nothing before its
+    last token)."""
     asked = get_field(body, "token_healing", (bool,), None, what="a boolean")
     clash = next((name for name, on in clashes.items() if on), None)
-    if asked and chat:
-        raise ApiError(400, "'token_healing' is only taken on /v1/completions (a chat prompt ends on its template's "
-                            "tokens)", "token_healing", code="unsupported")
+    in_text = not chat or body.get("continue_final_message") is True  # (else it ends on the template's tokens)
+    if asked and not in_text:
+        raise ApiError(400, "'token_healing' is taken on /v1/completions and on a chat that continues its final "
+                            "message (\"continue_final_message\": true); this chat prompt ends on its template's "
+                            "tokens", "token_healing", code="unsupported")
     if asked and clash is not None:
         raise ApiError(400, f"'token_healing' is not served with '{clash}' (the first token's text begins in the "
                             "prompt; a constraint's mask and healing's may leave no token)", "token_healing",
                        code="unsupported")
-    heal = asked if asked is not None else default and not chat and clash is None
+    heal = asked if asked is not None else default and in_text and clash is None
     return tokenizer.heal(ids) if heal else None
 
 

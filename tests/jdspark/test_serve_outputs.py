@@ -101,8 +101,9 @@ def test_token_healing_leaves_the_healed_text_out(srv):
     """``"token_healing": true`` (an extension field): the backend gets the prompt without its last token and the
     ids its first token may be (the scripted backend draws the first of them, the healed byte itself), and the
     answer's text leaves that byte out (its client sent it), streamed and not, echoed after the whole prompt; a stop
-    string equal to the healed text is matched in the answer's own text only; usage counts the ids prefilled.
-    Chat prompts end on their template's tokens: refused there by name."""
+    string equal to the healed text is matched in the answer's own text only; usage counts the ids prefilled. A chat
+    that continues its final message ends in that text too, and is healed as a completion; any other chat prompt
+    ends on its template's tokens: refused there by name."""
     body = {"prompt": "abc", "max_tokens": 5, "token_healing": True, "stop": ["c"]}
     r = httpx.post(srv.url + "/v1/completions", json=body).json()
     assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == ("defg", "length")
@@ -114,15 +115,22 @@ def test_token_healing_leaves_the_healed_text_out(srv):
     assert echoed == "abcdefg"
     plain = httpx.post(srv.url + "/v1/completions", json={**body, "token_healing": False}).json()["choices"][0]
     assert plain["text"] == "defgh" and srv.backend.requests[-1].first_token_ids == ()
-    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                           "token_healing": True})
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "abc"}]
+    cont = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 3,
+            "token_healing": True}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=cont).json()
+    assert r["choices"][0]["message"]["content"] == "de" and srv.backend.requests[-1].first_token_ids == (99,)
+    assert srv.backend.requests[-1].prompt_ids[-1] == ord("b")
+    r = httpx.post(srv.url + "/v1/chat/completions", json={**cont, "token_healing": False}).json()
+    assert r["choices"][0]["message"]["content"] == "def"
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs[:1], "token_healing": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "token_healing"
 
 
 def test_a_server_healing_by_default_yields_to_what_healing_is_not_served_with():
     """``--token-healing`` (``parse_completion(token_healing=True)``): a completions prompt is healed unless it says
     ``"token_healing": false``, or asks for what healing is not served with (log-probabilities, a constraint):
-    then it is served unhealed, not refused; chat prompts are never healed."""
+    then it is served unhealed, not refused; a chat prompt only where it continues its final message."""
     tok = ByteTokenizer()
     kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=256, model_name="m", max_logprobs=2,
               guided_states=64, token_healing=True)
@@ -133,8 +141,12 @@ def test_a_server_healing_by_default_yields_to_what_healing_is_not_served_with()
                  {"prompt": "ab", "guided_regex": "x"}):
         p = parse_completion(body, **kw)
         assert p.sampling.prompt_ids == (256, 97, 98) and p.sampling.first_token_ids == () and p.healed == ""
-    chat = parse_completion({"messages": [{"role": "user", "content": "hi"}]}, chat=True, **kw)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}]
+    chat = parse_completion({"messages": msgs[:1]}, chat=True, **kw)
     assert chat.sampling.first_token_ids == () and chat.healed == ""
+    cont = parse_completion({"messages": msgs, "add_generation_prompt": False, "continue_final_message": True},
+                            chat=True, **kw)
+    assert cont.healed == "b" and cont.sampling.first_token_ids == (98,)
     assert parse_completion({"prompt": [256]}, **kw).healed == ""  # nothing before the last token: not healed
 
 
