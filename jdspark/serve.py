@@ -99,6 +99,9 @@ def _version() -> str:
 
 
 SERVER_VERSION = _version()  # ``GET /version``, as vLLM's
+# The largest request body read (``--max-request-bytes``; a 413 past it): a 1024-token prompt is a few KiB, a chat
+# with a few inline base64 images a few MiB (TGI's payload limit is 2 MB; vLLM has none)
+MAX_REQUEST_BYTES = 32 * 2**20
 
 
 def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, max_context: int, metrics,
@@ -107,7 +110,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               max_n: int = 1, tool_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0,
               guided_classes: Optional[int] = None, token_healing: bool = False,
-              api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> FastAPI:
+              api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = (),
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     if api_keys:  # every route but the probes and /metrics needs one of them (``jdspark.serve_auth``)
         app.add_middleware(ApiKeys, keys=list(api_keys))
@@ -155,8 +159,21 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
         return model_card
 
     async def json_body(request: Request):
+        """The request's JSON body, read up to ``max_request_bytes`` (a 413 past it, before the rest is read: a
+        runaway client's body is neither held whole nor parsed); one past 64 KiB (a long prompt, an image) parsed
+        off the event loop, where it would stall every stream's next chunk."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_request_bytes:
+            raise ApiError(413, f"the request body of {int(declared)} bytes exceeds this server's limit of "
+                                f"{max_request_bytes} (--max-request-bytes)", code="request_too_large")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > max_request_bytes:
+                raise ApiError(413, f"the request body exceeds this server's limit of {max_request_bytes} bytes "
+                                    "(--max-request-bytes)", code="request_too_large")
         try:
-            return json.loads(await request.body())
+            return json.loads(raw) if len(raw) <= 65536 else await asyncio.to_thread(json.loads, bytes(raw))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"invalid JSON: {e}") from None
 
@@ -452,8 +469,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGIN,...",
                     help="web pages of these origins may call the server from a browser (CORS; '*': any; vLLM's "
                          "flag, whose default is any: here none)")
+    ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
+                    help="a request body past N bytes is a 413, unread (default %(default)s: a chat of several "
+                         "images inline)")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
+    if a.max_request_bytes < 1:
+        ap.error(f"--max-request-bytes: expected >= 1, got {a.max_request_bytes}")
     if a.api_key is None:
         a.api_key = [os.environ["JDSPARK_API_KEY"]] if os.environ.get("JDSPARK_API_KEY") else []
     if any(not k.strip() for k in a.api_key):
@@ -573,7 +595,7 @@ def main(argv=None) -> int:
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
                     penalties=backend.penalties, guided_states=backend.guided_states,
                     guided_classes=backend.guided_classes, token_healing=a.token_healing, api_keys=a.api_key,
-                    allowed_origins=a.allowed_origins)
+                    allowed_origins=a.allowed_origins, max_request_bytes=a.max_request_bytes)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

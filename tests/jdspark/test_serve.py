@@ -418,3 +418,34 @@ def test_allowed_origins_answer_a_browser_s_preflight_and_mark_the_answers():
     for bad in ("ftp://x", "localhost:3000", ""):
         with pytest.raises(SystemExit):
             parse_args(["--allowed-origins", bad])
+
+
+def test_a_body_past_the_limit_is_a_413_unread():
+    """``--max-request-bytes``: a body declared or streamed past the limit is a 413 in OpenAI's error body on every
+    route that reads one (the server keeps serving); a body within it that is past 64 KiB is parsed off the event
+    loop and served as any other."""
+    from jdspark.serve import parse_args
+    from tests.jdspark.serve_helpers import LiveServer
+
+    s = LiveServer(num_slots=1, max_request_bytes=200_000)
+    try:
+        big = {"prompt": "ab", "max_tokens": 2, "user": "x" * 300_000}
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"):
+            r = httpx.post(s.url + path, json=big)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", path
+
+        def chunks():  # no Content-Length: the limit is found while reading
+            yield b'{"prompt": "ab", "user": "'
+            for _ in range(30):
+                yield b"x" * 10_000
+            yield b'"}'
+
+        r = httpx.post(s.url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "exceeds this server's limit of 200000 bytes" in r.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={**big, "user": "x" * 150_000})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected_text("ab", 2)
+    finally:
+        s.close()
+    assert parse_args(["--max-request-bytes", "1000"]).max_request_bytes == 1000
+    with pytest.raises(SystemExit):
+        parse_args(["--max-request-bytes", "0"])
