@@ -132,6 +132,8 @@ class Request:
     ignore_eos: bool = False
     include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the text keeps the stop string that ended it
     keep_special: frozenset = frozenset()  # special ids its text shows (a tool-call format's markers)
+    priority: int = 0  # vLLM's: a waiting request of lower priority is admitted before one of higher, FIFO among
+    # equals (``Engine.submit_all``); a running request is never preempted (its slot is its own to the end)
     healed: str = ""  # token healing (``kimi.tokenizer.Tokenizer.heal``): the text of the prompt's last token, taken
     # off its prompt ids; the first token (one of ``sampling.first_token_ids``) begins with it, and it is left out
     # of the request's text (its client sent it): stop strings are matched in what follows it
@@ -231,13 +233,15 @@ class Engine:
                                 + (f"; {len(reqs)} more do not fit" if len(reqs) > 1 else ""))
             for req in reqs:
                 req.id = req.id or f"cmpl-{next(self._ids)}"
+                # in order of priority, FIFO among equals: after every waiting request of the same or a lower one
+                at = next((i for i, w in enumerate(self.waiting) if w.priority > req.priority), len(self.waiting))
                 if not req.ignore_eos and self.eos is not None and self.eos not in req.sampling.stop_token_ids:
                     # EOS is one of the ids that end it (vLLM's): min_tokens holds it back too, and the backend
                     # knows the request ends there (a launch whose rows have all ended stops: slot_programs.step_rows)
                     req.sampling = dataclasses.replace(
                         req.sampling, stop_token_ids=tuple(req.sampling.stop_token_ids) + (self.eos,))
                 req.decoder = self.tokenizer.incremental_decoder(keep_special=req.keep_special, skip_prefix=req.healed)
-                self.waiting.append(req)
+                self.waiting.insert(at, req)
             self._gauges()
             self._cv.notify()
         return reqs

@@ -111,7 +111,7 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
               reasoning_parser: Optional[str] = None, penalties: bool = False, guided_states: int = 0,
               guided_classes: Optional[int] = None, token_healing: bool = False,
               api_keys: Sequence[str] = (), allowed_origins: Sequence[str] = (),
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, priority_scheduling: bool = False) -> FastAPI:
     app = FastAPI(title="jdspark", docs_url=None, redoc_url=None)
     if api_keys:  # every route but the probes and /metrics needs one of them (``jdspark.serve_auth``)
         app.add_middleware(ApiKeys, keys=list(api_keys))
@@ -226,7 +226,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
                 reqs.append(EngineRequest(
                     ranked if j == 0 else dataclasses.replace(ranked, seed=(ranked.seed + j) % 2 ** 63),
                     lambda ev, i=i: mailbox.post(events, (i, ev)), stop=x.stop, ignore_eos=x.ignore_eos,
-                    include_stop_str=x.include_stop_str, keep_special=keep, healed=x.healed))
+                    include_stop_str=x.include_stop_str, keep_special=keep, healed=x.healed,
+                    priority=x.priority))
         return reqs
 
     def submit(reqs: list):
@@ -244,7 +245,8 @@ def build_app(engine: Engine, tokenizer, *, model_name: str, vocab_size: int, ma
             body, tokenizer=tokenizer, vocab_size=vocab_size, max_context=max_context, model_name=model_name,
             chat=chat, max_prompt=max_prompt, spec_modes=spec_modes, vision=vision, max_logprobs=max_logprobs,
             max_n=max_n, tool_parser=tool_parser, reasoning_parser=reasoning_parser, penalties=penalties,
-            guided_states=guided_states, guided_classes=guided_classes, token_healing=token_healing, **kw)
+            guided_states=guided_states, guided_classes=guided_classes, token_healing=token_healing,
+            priority_scheduling=priority_scheduling, **kw)
 
     async def serve(request: Request, chat: bool):
         if not is_ready():
@@ -472,6 +474,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES, metavar="N",
                     help="a request body past N bytes is a 413, unread (default %(default)s: a chat of several "
                          "images inline)")
+    ap.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                    help="priority: a request's 'priority' (vLLM's field; lower first, FIFO among equals) orders the "
+                         "waiting queue (a running request keeps its slot); fcfs: arrival order, a non-zero "
+                         "priority a 400")
     ap.add_argument("--model-name", default=None)
     a = ap.parse_args(argv)
     if a.max_request_bytes < 1:
@@ -595,7 +601,8 @@ def main(argv=None) -> int:
                     reasoning_parser=None if a.reasoning_parser == "none" else a.reasoning_parser,
                     penalties=backend.penalties, guided_states=backend.guided_states,
                     guided_classes=backend.guided_classes, token_healing=a.token_healing, api_keys=a.api_key,
-                    allowed_origins=a.allowed_origins, max_request_bytes=a.max_request_bytes)
+                    allowed_origins=a.allowed_origins, max_request_bytes=a.max_request_bytes,
+                    priority_scheduling=a.scheduling_policy == "priority")
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0
 

@@ -29,10 +29,10 @@ __all__ = ["ApiError", "Parsed", "UNSUPPORTED_FIELDS", "check_body", "get_field"
 UNSUPPORTED_FIELDS = {
     "suffix": ("",), "functions": ([],),
     # vLLM's extra fields: beam search, grammars (EBNF / Lark: constrained decoding takes regular languages only),
-    # multi-token bans, custom logits processors, embeddings as prompts, token ids spelled as strings, priority
+    # multi-token bans, custom logits processors, embeddings as prompts, token ids spelled as strings
     "use_beam_search": (False,), "length_penalty": (1.0, 1), "guided_grammar": (), "bad_words": ([],),
     "guided_whitespace_pattern": (),  # JSON's layout here is json.dumps' (jdspark.json_schema)
-    "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,), "priority": (0,),
+    "logits_processors": ([],), "prompt_embeds": (), "return_tokens_as_token_ids": (False,),
     "spaces_between_special_tokens": (True,), "documents": ([],),
 }
 
@@ -66,6 +66,7 @@ class Parsed(NamedTuple):
     # streamed chunk carries the usage so far
     prompt_logprobs: Optional[int] = None  # vLLM's: the prompt tokens' log-probabilities and ranks, this many top
     healed: str = ""  # token healing: the prompt's last token's text, taken off its ids (``engine.Request.healed``)
+    priority: int = 0  # vLLM's: lower is admitted first (``engine.Request.priority``; --scheduling-policy priority)
 
 
 def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int, model_name: str,
@@ -75,7 +76,7 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
                      tool_parser: Optional[str] = None, reasoning_parser: Optional[str] = None,
                      penalties: bool = True, default_max_tokens: Optional[int] = 16,
                      guided_states: int = 0, guided_classes: Optional[int] = None,
-                     token_healing: bool = False) -> Parsed:
+                     token_healing: bool = False, priority_scheduling: bool = False) -> Parsed:
     """A request body's ``Parsed`` form, or ApiError. ``default_max_tokens``: a request's ``max_tokens`` when it
     names none (None: the rest of the context after its prompt, as the Responses API's ``max_output_tokens``);
     ``max_n``: the most choices a request may ask (``n``);
@@ -85,14 +86,15 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     min_tokens (``--penalties``); ``guided_states``: the most automaton states a constrained request may take
     (``--guided-states``; 0: none is served), ``guided_classes`` the most token classes (``--guided-classes``;
     None: any); ``token_healing``: heal a /v1/completions prompt unless it says ``"token_healing": false``
-    (``--token-healing``; ``_healing``).
+    (``--token-healing``; ``_healing``); ``priority_scheduling``: a request's ``priority`` orders the waiting queue
+    (``--scheduling-policy priority``; else a non-zero one is a 400, as vLLM's).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
     try:
         return _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
                       max_logprobs, max_n, tool_parser, reasoning_parser, penalties, default_max_tokens,
-                      guided_states, guided_classes, token_healing)
+                      guided_states, guided_classes, token_healing, priority_scheduling)
     except MediaError as e:
         raise ApiError(400, e.message, e.param, code=e.code) from None
 
@@ -346,7 +348,7 @@ def prompt_ids(body: dict, tokenizer, vocab_size: int, chat: bool, vision, tool_
 
 def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_prompt, spec_modes, vision,
            max_logprobs, max_n, tool_parser, reasoning_parser, penalties_served=True, default_max_tokens=16,
-           guided_states=0, guided_classes=None, token_healing=False):
+           guided_states=0, guided_classes=None, token_healing=False, priority_scheduling=False):
     check_body(body, model_name)
     reject_unsupported(body)
     if chat and body.get("echo") not in (None, False):
@@ -448,6 +450,10 @@ def _parse(body, tokenizer, vocab_size, max_context, model_name, chat, max_promp
                          allowed_token_ids=tuple(sorted(set(allowed))), grammar=grammar,
                          first_token_ids=() if healed is None else tuple(healed.first_ids), **penalties)
     skip_special = get_field(body, "skip_special_tokens", (bool,), True, what="a boolean")
+    priority = get_field(body, "priority", (int,), 0, lambda v: abs(v) < 2 ** 63, "an integer")
+    if priority and not priority_scheduling:
+        raise ApiError(400, f"'priority' = {priority}: this server schedules first come, first served (start it with "
+                            "--scheduling-policy priority)", "priority", code="unsupported")
     return Parsed(sp, stop, bool(ignore_eos), bool(stream), include_usage, echo_text if echo else None, int(n),
                   int(best_of), tools is not None, started, bool(include_stop_str), bool(skip_special),
-                  bool(include_usage and continuous), plp, "" if healed is None else healed.text)
+                  bool(include_usage and continuous), plp, "" if healed is None else healed.text, int(priority))

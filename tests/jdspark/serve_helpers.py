@@ -94,7 +94,7 @@ class ScriptedBackend:
 class LiveServer:
     def __init__(self, num_slots=4, max_waiting=8, tokens_per_step=3, max_context=4096, chat_template=None,
                  reply=None, reasoning_parser=None, guided_states=32, api_keys=(), allowed_origins=(),
-                 max_request_bytes=32 * 2**20):
+                 max_request_bytes=32 * 2**20, priority_scheduling=False):
         self.tok = ByteTokenizer(chat_template=chat_template)
         self.backend = ScriptedBackend(num_slots, tokens_per_step, eos=self.tok.eos_id, reply=reply)
         self.metrics = ServeMetrics("scripted")
@@ -105,7 +105,7 @@ class LiveServer:
                         spec_modes=("fixed",), max_logprobs=5, max_n=4,  # as a server started with --spec fixed
                         tool_parser="kimi_k2", reasoning_parser=reasoning_parser, penalties=True,
                         guided_states=guided_states, api_keys=api_keys, allowed_origins=allowed_origins,
-                        max_request_bytes=max_request_bytes)
+                        max_request_bytes=max_request_bytes, priority_scheduling=priority_scheduling)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -280,3 +280,38 @@ def test_streamed_text_holds_back_only_a_tail_a_stop_string_could_begin_with():
             eng.shutdown()
         assert [e.text for e in events] == want_deltas, stops
         assert "".join(e.text for e in events) == want_text and events[-1].finish_reason == reason
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    """vLLM's ``priority``: with every slot busy, the waiting queue holds lower priorities first and arrivals in
+    order among equals (a response's choices together); the running request keeps its slot. Admission (the
+    backend's inserts) follows the queue."""
+    from tests.jdspark.serve_helpers import ScriptedBackend
+
+    be = ScriptedBackend(num_slots=1)
+    be.gate.clear()  # steps wait: the first request holds the slot, the rest queue
+    eng = Engine(be, ByteTokenizer(), eos_token_id=None, max_waiting=16).start()
+    done = threading.Semaphore(0)
+
+    def req(p, prio):
+        return Request(SamplingRequest(prompt_ids=(p,), max_tokens=2), lambda ev: ev.finish_reason and done.release(),
+                       ignore_eos=True, priority=prio)
+
+    try:
+        eng.submit(req(1, 9))
+        deadline = time.time() + 10
+        while not be.requests:  # the first is admitted before the rest arrive
+            assert time.time() < deadline
+            time.sleep(0.01)
+        for p, prio in ((2, 5), (3, 0), (4, -1), (5, 0)):
+            eng.submit(req(p, prio))
+        eng.submit_all([req(6, 0), req(7, 0)])  # two choices of one response
+        eng.submit(req(8, -1))
+        assert [r.sampling.prompt_ids[0] for r in eng.waiting] == [4, 8, 3, 5, 6, 7, 2]
+        be.gate.set()
+        for _ in range(8):
+            assert done.acquire(timeout=20)
+    finally:
+        be.gate.set()
+        eng.shutdown()
+    assert [r.prompt_ids[0] for r in be.requests] == [1, 4, 8, 3, 5, 6, 7, 2]

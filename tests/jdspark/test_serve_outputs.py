@@ -1,9 +1,11 @@
 """What a served request can ask beyond text, on a real uvicorn (loopback port), model scripted (serve_helpers):
 log-probabilities (completions, chat, echo, prompt_logprobs), n choices and lists of prompts, best_of, constrained
-decoding's automata reaching the backend, 429 on a full queue, and a disconnect mid-stream freeing its slot."""
+decoding's automata reaching the backend, 429 on a full queue, a disconnect mid-stream freeing its slot, token
+healing, and the waiting queue ordered by priority."""
 
 import concurrent.futures as cf
 import json
+import time
 
 import httpx
 import numpy as np
@@ -14,6 +16,7 @@ from jdspark.json_schema import schema_regex
 from jdspark.serve_request import ApiError, parse_completion
 from kimi.tokenizer import ByteTokenizer
 from tests.jdspark.serve_helpers import (
+    LiveServer,
     expected_text,
     metric,
     metrics,
@@ -402,3 +405,34 @@ def test_disconnect_mid_stream_frees_the_slot(srv):
     m = wait_idle(srv)
     assert metric(m, "vllm:request_success_total", finished_reason="abort") == before + 4
     assert sorted(srv.backend.last) == []
+
+
+def test_priority_reaches_the_engine_where_the_server_schedules_by_it():
+    """``--scheduling-policy priority``: a request's ``priority`` (any integer; default 0) is its engine request's;
+    under first come, first served only 0 is taken (the 400 is test_serve's)."""
+    tok = ByteTokenizer()
+    kw = dict(tokenizer=tok, vocab_size=tok.vocab_size, max_context=64, model_name="m")
+    assert parse_completion({"prompt": "ab", "priority": -3}, priority_scheduling=True, **kw).priority == -3
+    assert parse_completion({"prompt": "ab"}, priority_scheduling=True, **kw).priority == 0
+    assert parse_completion({"prompt": "ab", "priority": 0}, **kw).priority == 0
+
+
+def test_a_priority_server_queues_requests_by_their_priority():
+    """Over HTTP: with the one slot busy, later requests wait in the engine's queue in order of their priority."""
+    s = LiveServer(num_slots=1, priority_scheduling=True)
+    s.backend.gate.clear()
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:
+            futs = []
+            for i, prio in enumerate((9, 5, -2, 0)):
+                futs.append(pool.submit(httpx.post, s.url + "/v1/completions", json={
+                    "prompt": "ab", "max_tokens": 2, "priority": prio}, timeout=60))
+                deadline = time.time() + 20
+                while len(s.backend.requests) + len(s.engine.waiting) < i + 1:  # arrived, in this order
+                    assert time.time() < deadline
+                    time.sleep(0.01)
+            assert [r.priority for r in s.engine.waiting] == [-2, 0, 5]
+            s.backend.gate.set()
+            assert all(f.result().status_code == 200 for f in futs)
+    finally:
+        s.close()
