@@ -354,7 +354,9 @@ def test_json_output_reaches_the_backend_as_its_automaton(srv):
                            "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}),
                        ("/v1/responses", {"input": "q", "text": {"format": {"type": "json_schema", "name": "a",
                                                                             "schema": schema}}})):
-        r = httpx.post(srv.url + path, json={"max_tokens": 4, **body})
+        # (the first builds the schema's automaton over the vocabulary: seconds on a loaded 2-core machine, past
+        # httpx's default 5 s timeout when another test process shares the cores)
+        r = httpx.post(srv.url + path, json={"max_tokens": 4, **body}, timeout=120)
         assert r.status_code == 200, (body, r.text)
         np.testing.assert_array_equal(srv.backend.requests[-1].grammar.next_QV, want)
     r = httpx.post(srv.url + "/v1/responses", json={"input": "q", "text": {"format": {"type": "json_schema",
