@@ -194,10 +194,11 @@ def test_healed_requests_equal_batch_one_generate_and_leave_out_the_healed_text(
         h = tok.heal(p[:-1] + [(30, 3)[i % 4 // 2]]) if i % 2 == 0 else None
         sp = SamplingRequest(tuple(p if h is None else h.ids), 12 + i, seed=i, spec_mode="fixed",
                              first_token_ids=() if h is None else h.first_ids, **SETTINGS[i // 2 % 2])
-        ref = jdspark.generate(target, drafter, np.array(sp.prompt_ids), max_new_tokens=sp.max_tokens, seed=sp.seed,
+        # (MAX_NEW tokens for every reference, cut to the request's: one program per setting, not per length)
+        ref = jdspark.generate(target, drafter, np.array(sp.prompt_ids), max_new_tokens=MAX_NEW, seed=sp.seed,
                                temperature=sp.temperature, top_p=sp.top_p, eos_token_id=-1,
                                first_token_ids=sp.first_token_ids)
-        cases.append((sp, h, [int(t) for t in ref.tokens]))
+        cases.append((sp, h, [int(t) for t in ref.tokens[:sp.max_tokens]]))
     texts = [tok.decode(ids)[len(h.text) if h else 0:] for _, h, ids in cases]
     # stop strings: the healed text itself ("\n": the ids' text begins with it, the request's does not), and
     # three characters of another healed request's text
