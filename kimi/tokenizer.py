@@ -20,6 +20,7 @@ character, so a stream never shows a broken character. The chat template (``chat
 from __future__ import annotations
 
 import base64
+import bisect
 import codecs
 import datetime
 import functools
@@ -145,7 +146,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.special_ids = frozenset(self.special_tokens.values())
         self._special_bytes = {i: n.encode("utf-8") for n, i in self.special_tokens.items()}
-        self._extending_cache: dict = {}  # Tokenizer.heal's first ids, by the healed token's bytes
+        self._by_bytes: Optional[tuple] = None  # Tokenizer.heal's index: the ordinary ids sorted by their bytes
         n = max([len(self._token_bytes) - 1, *self.special_ids, -1]) + 1
         self.vocab_size = int(vocab_size if vocab_size is not None else n)
         if self.vocab_size < n:
@@ -236,11 +237,17 @@ class Tokenizer:
         return Healing(arr[:-1].tolist(), text, self._extending(tail)) if tail else None
 
     def _extending(self, prefix: bytes) -> tuple:
-        """The ordinary ids whose bytes begin with ``prefix`` (it among them), cached: one pass over the vocabulary."""
-        if prefix not in self._extending_cache:
-            self._extending_cache[prefix] = tuple(i for i, b in enumerate(self._token_bytes)
-                                                  if b and b.startswith(prefix) and i not in self.special_ids)
-        return self._extending_cache[prefix]
+        """The ordinary ids whose bytes begin with ``prefix`` (it among them), in id order: in the vocabulary sorted
+        by bytes (built on first use) they are one run, found by bisection, O(log V + its length). (A pass over a
+        K3-sized vocabulary of 160K ids took ~30 ms a prompt, in the server's request threads.)"""
+        if self._by_bytes is None:
+            pairs = sorted((b, i) for i, b in enumerate(self._token_bytes) if b and i not in self.special_ids)
+            self._by_bytes = ([b for b, _ in pairs], [i for _, i in pairs])
+        keys, ids = self._by_bytes
+        lo = hi = bisect.bisect_left(keys, prefix)
+        while hi < len(keys) and keys[hi].startswith(prefix):
+            hi += 1
+        return tuple(sorted(ids[lo:hi]))
 
     def incremental_decoder(self, *, skip_special: bool = True, keep_special=frozenset(),
                             skip_prefix: str = "") -> IncrementalDecoder:
