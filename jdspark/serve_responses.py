@@ -53,7 +53,7 @@ _UNSUPPORTED = {"previous_response_id": (), "background": (False,), "conversatio
 # vLLM's extra sampling fields, passed to the chat body as they are (validated there)
 _PASSED = ("model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
            "ignore_eos", "min_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
-           "allowed_token_ids", "skip_special_tokens", "speculative", "spec_mode", "tool_choice")
+           "allowed_token_ids", "skip_special_tokens", "speculative", "spec_mode", "tool_choice", "priority")
 
 
 def new_id(prefix: str) -> str:

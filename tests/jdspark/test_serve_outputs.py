@@ -417,6 +417,10 @@ def test_priority_reaches_the_engine_where_the_server_schedules_by_it():
     assert parse_completion({"prompt": "ab", "priority": -3}, priority_scheduling=True, **kw).priority == -3
     assert parse_completion({"prompt": "ab"}, priority_scheduling=True, **kw).priority == 0
     assert parse_completion({"prompt": "ab", "priority": 0}, **kw).priority == 0
+    from jdspark.serve_responses import chat_body  # the Responses API passes it on
+
+    chat, _ = chat_body({"input": "q", "priority": 4, "max_output_tokens": 2})
+    assert parse_completion(chat, chat=True, priority_scheduling=True, **{**kw, "max_context": 256}).priority == 4
 
 
 def test_a_priority_server_queues_requests_by_their_priority():
