@@ -85,9 +85,10 @@ def parse_completion(body: Any, *, tokenizer, vocab_size: int, max_context: int,
     ``penalties``: whether the server applies repetition / frequency / presence penalties, logit_bias and
     min_tokens (``--penalties``); ``guided_states``: the most automaton states a constrained request may take
     (``--guided-states``; 0: none is served), ``guided_classes`` the most token classes (``--guided-classes``;
-    None: any); ``token_healing``: heal a /v1/completions prompt unless it says ``"token_healing": false``
-    (``--token-healing``; ``_healing``); ``priority_scheduling``: a request's ``priority`` orders the waiting queue
-    (``--scheduling-policy priority``; else a non-zero one is a 400, as vLLM's).
+    None: any); ``token_healing``: heal a prompt that ends in text (completions, a chat continuing its final
+    message) unless it says ``"token_healing": false`` (``--token-healing``; ``_healing``);
+    ``priority_scheduling``: a request's ``priority`` orders the waiting queue (``--scheduling-policy priority``;
+    else a non-zero one is a 400, as vLLM's).
     ``vision``: the checkpoint's VisionConfig (chat ``image_url`` parts are then taken, ``jdspark.serve_media``),
     or None (text-only: an image part is a 400 naming that). ``max_logprobs``: the most top log-probabilities a
     request may ask (None: the server computes none)."""
