@@ -69,6 +69,8 @@ def report(before: Optional[str], after: str, seconds: Optional[float]) -> dict:
     def delta(name, **labels):
         return _total(a, name, **labels) - _total(b, name, **labels)
 
+    if delta("vllm:generation_tokens_total") < 0 or delta("vllm:spec_decode_num_drafts_total") < 0:
+        raise ValueError("the counters went down between the two reads: the server restarted during the window")
     drafts, draft_tokens = delta("vllm:spec_decode_num_drafts_total"), delta("vllm:spec_decode_num_draft_tokens_total")
     accepted = delta("vllm:spec_decode_num_accepted_tokens_total")
     positions = sorted({int(dict(lab)["position"]) for n, lab in a
@@ -164,7 +166,10 @@ def main(argv=None) -> int:
     if a.window:
         time.sleep(a.window)
     after = read()
-    res = {"url": a.url, **report(before, after, time.monotonic() - t0 if a.window else None)}
+    try:
+        res = {"url": a.url, **report(before, after, time.monotonic() - t0 if a.window else None)}
+    except ValueError as e:
+        raise SystemExit(f"spec_metrics: {e}")
     al = res["accept_len"]
     print(f"[spec_metrics] {sum(res['requests_finished'].values())} requests finished, {res['generation_tokens']} "
           f"tokens; accept_len {'-' if al is None else f'{al:.2f}'} over {res['drafts']} speculative slot-steps, "

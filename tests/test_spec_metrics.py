@@ -75,3 +75,5 @@ def test_acceptance_when_verified_counts_only_the_steps_that_verified_each_draft
     assert r["verified_steps"] == [8, 2, 2]
     assert r["per_position_accept_when_verified"] == pytest.approx([1.0, 1.0, 1.0])
     assert spec_metrics.report(m.exposition().decode(), m.exposition().decode(), 1.0)["drafts"] == 0
+    with pytest.raises(ValueError, match="the server restarted during the window"):
+        spec_metrics.report(m.exposition().decode(), before, 1.0)
