@@ -462,7 +462,8 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     time arguments and a launch's are built in one place and name the same programs. A backend of a shape no other
     test builds (12 slots, caches of 96), so its programs are new to this process. With prefix caching: each
     bucket's insert, extension and the copy into the pool run in warm-up too (the jitted calls' caches do not grow
-    when requests of either bucket and a prefix-cache hit are served after), and warm-up keeps no prompt."""
+    when requests of either bucket and a prefix-cache hit are served after, healed or not), and warm-up keeps no
+    prompt."""
     from jax import monitoring
 
     from jdspark import prefix
@@ -499,6 +500,9 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
         assert be.prefix.hits == len(a) + len(b)
         be.insert(0, SamplingRequest(a, 4, stop_fsm=stop_fsm(("ab",), ByteTokenizer())))  # its automaton set
         assert be.stops_on_device["set"] == 1
+        # token healing's first-token mask, on an insert and on a prefix-cache hit: the same programs
+        be.insert(0, SamplingRequest(b[:-1], 4, first_token_ids=(5, 7)))
+        be.insert(0, SamplingRequest(a + tuple(range(20, 31)), 4, first_token_ids=(9,)))
         assert [f._cache_size() for f in (_insert, prefix.extend, prefix.snapshot)] == sizes and events == []
     finally:
         monitoring.unregister_event_listener(on_event)
