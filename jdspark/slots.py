@@ -173,7 +173,6 @@ class SlotBackend(StartUp):
                              f"{guided_classes}")
         self.guided_states = int(guided_states)
         self.guided_classes = min(int(guided_classes), self.cfg.vocab_size)
-        self._every_id = first_token_input(self.cfg.vocab_size, None)  # a first token unmasked
         row, _ = jax.eval_shape(lambda: prefill_stream(
             self.target, self.drafter, jnp.zeros((1, self.prompt_buckets[0]), jnp.int32), jnp.int32(1),
             jax.random.key(0), SamplingParams(), self.max_len, penalties=Penalties() if self.penalties else None,
@@ -289,7 +288,7 @@ class SlotBackend(StartUp):
                              "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
         grammar = self._grammar(req)
-        first_V = first_token_input(self.cfg.vocab_size, req)
+        first_V = self._first(req)
         stops = list(req.stop_token_ids)[:STOP_IDS] if not req.min_tokens else []  # more: the launch runs them all
         self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p,
                              *stops, *[-1] * (STOP_IDS - len(stops)))
@@ -332,6 +331,9 @@ class SlotBackend(StartUp):
     def _grammar(self, req: Optional[SamplingRequest] = None):
         return grammar_input(self.cfg.vocab_size, self.guided_states, self.guided_classes, req)
 
+    def _first(self, req: Optional[SamplingRequest] = None):
+        return first_token_input(self.cfg.vocab_size, req)
+
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
                 penalties=(1.0, 0.0, 0.0), controls=None, first_V=None):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
@@ -350,7 +352,7 @@ class SlotBackend(StartUp):
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                 np.asarray(penalties, np.float32),
-                self._controls() if controls is None else controls, self._every_id if first_V is None else first_V)
+                self._controls() if controls is None else controls, self._first() if first_V is None else first_V)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
                  penalties=(1.0, 0.0, 0.0), controls=None, grammar=None, first_V=None):
@@ -371,7 +373,7 @@ class SlotBackend(StartUp):
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                  np.asarray(penalties, np.float32), media_PD, want,
                  self._controls() if controls is None else controls,
-                 self._grammar() if grammar is None else grammar, self._every_id if first_V is None else first_V),
+                 self._grammar() if grammar is None else grammar, self._first() if first_V is None else first_V),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):
