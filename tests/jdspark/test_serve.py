@@ -369,12 +369,12 @@ def test_api_keys_guard_every_route_but_the_probes(monkeypatch):
             assert httpx.get(s.url + path).status_code == 200, path
         assert httpx.options(s.url + "/v1/completions").status_code != 401  # CORS preflight carries no key
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scripts"))
-        import bench_serve  # the load test's client sends the key
+        import serve_clients  # the load test's client sends the key
 
 
-        assert bench_serve.HttpClient(s.url, api_key="k1").request([256, 97], 3, 0.0, 0, "fixed")["tokens"] == 3
+        assert serve_clients.HttpClient(s.url, api_key="k1").request([256, 97], 3, 0.0, 0, "fixed")["tokens"] == 3
         with pytest.raises(RuntimeError, match="HTTP 401"):
-            bench_serve.HttpClient(s.url).request([256, 97], 3, 0.0, 0, "fixed")
+            serve_clients.HttpClient(s.url).request([256, 97], 3, 0.0, 0, "fixed")
     finally:
         s.close()
     monkeypatch.setenv("JDSPARK_API_KEY", "from-env")

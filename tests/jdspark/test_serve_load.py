@@ -88,10 +88,11 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
 
     sys.path.insert(0, "scripts")
     import bench_serve
+    import serve_clients
 
     prompts = [[256, 97 + i] for i in range(4)]
     # over HTTP, and the same engine driven in-process (--in-process): the same figures from the same metrics
-    clients = (bench_serve.HttpClient(soak_srv.url), bench_serve.EngineClient(soak_srv.engine, soak_srv.metrics))
+    clients = (serve_clients.HttpClient(soak_srv.url), serve_clients.EngineClient(soak_srv.engine, soak_srv.metrics))
     cells = [bench_serve.run_cell(client, prompts, mode, c, 0.0, 9, 4) for client in clients
              for mode in ("off", "fixed") for c in (1, 4)]
     for cell in cells:
