@@ -406,6 +406,7 @@ def main(argv=None) -> int:
         if backend.guided_states:  # the commonest constraint, built and kept before the first request asks
             guided_constraint({"response_format": {"type": "json_object"}}, tok, target.config.vocab_size,
                               backend.guided_states, False, (), guided_classes=backend.guided_classes)
+        tok.heal_index()  # token healing's index (any request may ask for it), not built in the first one's thread
         # Start-up leaves ~1.7M objects the collector tracks (the programs' Python side): a full pass over them took
         # ~1 s, holding the GIL, whenever a request's allocations triggered one. They live as long as the server:
         # frozen, the collector's passes skip them.

@@ -236,14 +236,19 @@ class Tokenizer:
             return None
         return Healing(arr[:-1].tolist(), text, self._extending(tail)) if tail else None
 
-    def _extending(self, prefix: bytes) -> tuple:
-        """The ordinary ids whose bytes begin with ``prefix`` (it among them), in id order: in the vocabulary sorted
-        by bytes (built on first use) they are one run, found by bisection, O(log V + its length). (A pass over a
-        K3-sized vocabulary of 160K ids took ~30 ms a prompt, in the server's request threads.)"""
+    def heal_index(self) -> tuple:
+        """``heal``'s index, built on first use (a K3-sized vocabulary: ~0.4 s; a server builds it at start-up,
+        not in its first healed request): (the ordinary ids' bytes sorted, their ids in that order)."""
         if self._by_bytes is None:
             pairs = sorted((b, i) for i, b in enumerate(self._token_bytes) if b and i not in self.special_ids)
             self._by_bytes = ([b for b, _ in pairs], [i for _, i in pairs])
-        keys, ids = self._by_bytes
+        return self._by_bytes
+
+    def _extending(self, prefix: bytes) -> tuple:
+        """The ordinary ids whose bytes begin with ``prefix`` (it among them), in id order: in the vocabulary sorted
+        by bytes (``heal_index``) they are one run, found by bisection, O(log V + its length). (A pass over a
+        K3-sized vocabulary of 160K ids took ~30 ms a prompt, in the server's request threads.)"""
+        keys, ids = self.heal_index()
         lo = hi = bisect.bisect_left(keys, prefix)
         while hi < len(keys) and keys[hi].startswith(prefix):
             hi += 1
