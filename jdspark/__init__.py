@@ -2,8 +2,8 @@
 
 from jdspark.config import DSparkConfig
 from jdspark.drafter import DrafterCache, DSparkDrafter, load_drafter, save_drafter, select_anchors, training_loss
+from jdspark.generation import GenerateOutput, GenStats, generate
 from jdspark.sampling import SamplingParams
-from jdspark.speculative import GenerateOutput, GenStats, generate
 
 __all__ = ["DSparkConfig", "DSparkDrafter", "DrafterCache", "load_drafter", "save_drafter", "select_anchors",
            "training_loss", "SamplingParams", "GenerateOutput", "GenStats", "generate"]

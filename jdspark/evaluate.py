@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.speculative import generate
+from jdspark.generation import generate
 from kimi.cache import KimiCache
 
 __all__ = ["token_nll", "bits_per_byte", "served_acceptance", "accept_len_interval"]

@@ -1,5 +1,5 @@
 """The serving copy of a (target, drafter) pair: the modules a generation runs, made once per set of weights and
-kept between calls (``serving_pair``). ``jdspark.speculative.generate`` and the serving slots
+kept between calls (``serving_pair``). ``jdspark.generation.generate`` and the serving slots
 (``jdspark.slots.SlotBackend``) both run it; ``kimi.dispatch.serving_copy`` decides when a copy is made."""
 
 from __future__ import annotations

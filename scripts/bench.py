@@ -58,18 +58,20 @@ from jdspark.speculative import draft_block  # noqa: E402
 from kimi.model import with_serving_layout  # noqa: E402
 
 
-def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> dict:
-    """Wall time of one drafter block pass (context attention + Markov head), one target verify of a block
-    (G + 1 tokens) and one target decode step: each jitted alone on the serving copy of the weights, warm; modes
-    interleaved, the fastest of 5 rounds counts. ``tokens`` (a real prompt): its last G + 1 tokens are the verified
-    block and the ones before them the cached context, so the verify routes real text to its experts (a block of
-    one repeated token picks fewer experts and costs less than a verify of real drafts). The caches are as long
-    as a generation of ``max_new`` tokens after that prompt makes them (attention reads all of it, masked)."""
+def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50, n_drafts=None) -> dict:
+    """Wall time of one drafter pass (context attention + Markov head over ``n_drafts`` slots, default the block
+    G), one target verify of those drafts and the anchor (n + 1 tokens) and one target decode step: each jitted
+    alone on the serving copy of the weights, warm; modes interleaved, the fastest of 5 rounds counts. ``tokens``
+    (a real prompt): its last n + 1 tokens are the verified block and the ones before them the cached context, so
+    the verify routes real text to its experts (a block of one repeated token picks fewer experts and costs less
+    than a verify of real drafts). The caches are as long as a generation of ``max_new`` tokens after that prompt
+    makes them (attention reads all of it, masked)."""
     G = drafter.config.block_size
+    n = G if n_drafts is None else n_drafts
     tokens = np.asarray(tokens, np.int32)
-    if tokens.shape[0] < G + 2:
-        raise ValueError(f"_pass_seconds: a prompt of at least {G + 2} tokens is needed, got {tokens.shape[0]}")
-    ctx_ids, block_ids = tokens[:-(G + 1)], tokens[-(G + 1):]
+    if tokens.shape[0] < n + 2:
+        raise ValueError(f"_pass_seconds: a prompt of at least {n + 2} tokens is needed, got {tokens.shape[0]}")
+    ctx_ids, block_ids = tokens[:-(n + 1)], tokens[-(n + 1):]
     ctx, S = ctx_ids.shape[0], tokens.shape[0] + max_new + G + 1
     served_t, served_d = with_serving_layout(target), drafter_serving(drafter, target.config.serving_dtype)
     gt, st = nnx.split(served_t)
@@ -81,7 +83,7 @@ def _pass_seconds(target, drafter, tokens, max_new: int, repeats: int = 50) -> d
     taps = tuple(drafter.config.aux_hidden_state_layer_ids)
     fns = {
         "draft": (jax.jit(lambda s, c, a, k: draft_block(nnx.merge(gd, s), c, a, jnp.array([ctx]), emb, lm, k,
-                                                          SamplingParams(), 0.0)[0]),
+                                                          SamplingParams(), 0.0, n_slots=n)[0]),
                   (sd, dcache, jnp.asarray(block_ids[:1]), jax.random.key(0))),
         "verify": (jax.jit(lambda s, c, t: nnx.merge(gt, s).forward(t, c, mode="verify", tap_layers=taps).logits),
                    (st, tcache, jnp.asarray(block_ids)[None])),
@@ -108,61 +110,72 @@ def _timed(fn):
 
 
 def run_workload(target, drafter, prompts, max_new: int, repeats: int = 3, *, temperature: float = 0.0,
-                 top_p: float = 1.0, seeds=None) -> dict:
+                 top_p: float = 1.0, seeds=None, num_speculative_tokens=None, also=()) -> dict:
     """Decode-phase throughput of both modes: each prompt's prefill (timed alone, as a 1-token generation) is
     subtracted from its full generation, so the figures compare decoding, not prompt processing. End-to-end
     figures (prefill included) are reported too. Every (prompt, mode) is timed ``repeats`` times, the modes
     interleaved, and the fastest run counts: the noise of a shared machine only ever adds time, to either mode.
-    Prompt ``i`` samples with seed ``seeds[i]`` in both modes. Also returns the plain outputs' ids (``_outputs``)."""
+    Prompt ``i`` samples with seed ``seeds[i]`` in both modes. DSpark verifies ``num_speculative_tokens`` drafts a
+    step (default: the whole block); each count in ``also`` is one more DSpark mode timed in the same rounds
+    (``also``: {n: its tok/s, speedup, acceptance}). Also returns the plain outputs' ids (``_outputs``)."""
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     kw = dict(eos_token_id=-1, temperature=temperature, top_p=top_p)  # fixed length: max_new tokens each
+    modes = [("ar", None, None), ("spec", drafter, num_speculative_tokens)] + [(n, drafter, n) for n in also]
     firsts = {len(p): p for p in reversed(prompts)}  # a prompt of each length (an operator's differ)
-    for d in (None, drafter):  # compile + warm-up of both programs for each length's bucket (excluded)
+    for _, d, n in modes:  # compile + warm-up of every program for each length's bucket (excluded)
         for p in firsts.values():
-            jdspark.generate(target, d, p, max_new_tokens=max_new, seed=seeds[0], **kw)
-            jdspark.generate(target, d, p, max_new_tokens=1, seed=seeds[0], **kw)
-    t = {"ar": 0.0, "spec": 0.0, "ar_pre": 0.0, "spec_pre": 0.0}
-    n_new = steps = accepted = mismatches = 0
-    counts, outputs, steps_N, accepted_N, diverged = None, [], [], [], []
+            for new in (max_new, 1):
+                jdspark.generate(target, d, p, max_new_tokens=new, seed=seeds[0], num_speculative_tokens=n, **kw)
+    secs = {(m, pre): 0.0 for m, _, _ in modes for pre in (False, True)}
+    acc = {m: dict(steps=[], accepted=[], counts=0, mismatches=0) for m, _, _ in modes[1:]}
+    diverged, outputs, n_new = [], [], 0
     for p, seed in zip(prompts, seeds):
-        best = {k: float("inf") for k in t}
+        best, outs = {k: float("inf") for k in secs}, {}
         for _ in range(repeats):
-            for name, d in (("ar", None), ("spec", drafter)):
-                best[name + "_pre"] = min(best[name + "_pre"], _timed(lambda: jdspark.generate(
-                    target, d, p, max_new_tokens=1, seed=seed, **kw))[0])
-                dt, out = _timed(lambda: jdspark.generate(target, d, p, max_new_tokens=max_new, seed=seed, **kw))
-                best[name] = min(best[name], dt)
-                if name == "ar":
-                    ar_tokens = out.tokens
-                else:
-                    sp = out
-        for k in t:
-            t[k] += best[k]
+            for m, d, n in modes:
+                for pre, new in ((True, 1), (False, max_new)):
+                    dt, outs[m] = _timed(lambda: jdspark.generate(target, d, p, max_new_tokens=new, seed=seed,
+                                                                  num_speculative_tokens=n, **kw))
+                    best[m, pre] = min(best[m, pre], dt)
+        for k in secs:
+            secs[k] += best[k]
         n_new += max_new - 1  # tokens after the first (which the prefill yields)
-        if not np.array_equal(ar_tokens, sp.tokens):
-            mismatches += 1
-            if temperature == 0:
-                diverged.append(dict(prompt=len(outputs), **greedy_divergence(target, p, ar_tokens, sp.tokens)))
-        steps_N.append(int(sp.stats.target_steps))
-        accepted_N.append(int(sp.stats.accepted))
-        steps += steps_N[-1]
-        accepted += accepted_N[-1]
-        c = np.asarray(sp.stats.accept_counts, np.int64)
-        counts = c if counts is None else counts + c
+        ar_tokens = outs["ar"].tokens
+        for m, a in acc.items():
+            st = outs[m].stats
+            if not np.array_equal(ar_tokens, outs[m].tokens):
+                a["mismatches"] += 1
+                if temperature == 0 and m == "spec":
+                    diverged.append(dict(prompt=len(outputs), **greedy_divergence(target, p, ar_tokens,
+                                                                                  outs[m].tokens)))
+            a["steps"].append(int(st.target_steps))
+            a["accepted"].append(int(st.accepted))
+            a["counts"] = a["counts"] + np.asarray(st.accept_counts, np.int64)
         outputs.append(np.asarray(ar_tokens))
-    ar_dec, sp_dec = t["ar"] - t["ar_pre"], t["spec"] - t["spec_pre"]
+    dec = {m: secs[m, False] - secs[m, True] for m, _, _ in modes}
     total = len(prompts) * max_new
+
+    def figures(m):
+        a = acc[m]
+        steps, accepted = sum(a["steps"]), sum(a["accepted"])
+        f = {"spec_tok_s": n_new / dec[m], "speedup": dec["ar"] / dec[m], "accept_len": (accepted + steps) / steps,
+             "per_position_accept": (a["counts"] / steps).tolist(), "e2e_speedup": secs["ar", False] / secs[m, False]}
+        if temperature == 0:  # greedy DSpark must be plain decoding, token for token
+            f["greedy_mismatches"] = a["mismatches"]
+        return f
+
+    spec = acc["spec"]
     row = {"prompts": len(prompts), "new_tokens": max_new, "repeats": repeats, "temperature": temperature,
-           "top_p": top_p, "ar_tok_s": n_new / ar_dec, "spec_tok_s": n_new / sp_dec, "speedup": ar_dec / sp_dec,
-           "accept_len": (accepted + steps) / steps, "per_position_accept": (counts / steps).tolist(),
-           "accept_len_per_prompt": [(a + s) / s for s, a in zip(steps_N, accepted_N)],
-           "accept_len_ci95": accept_len_interval(steps_N, accepted_N),
-           "e2e_ar_tok_s": total / t["ar"], "e2e_spec_tok_s": total / t["spec"], "e2e_speedup": t["ar"] / t["spec"],
-           "loop_step_over_decode_step": (sp_dec / steps) / (ar_dec / n_new), "ar_step_s": ar_dec / n_new,
-           "_outputs": outputs}
-    if temperature == 0:  # greedy DSpark must be plain decoding, token for token
-        row["greedy_mismatches"] = mismatches
+           "top_p": top_p, "ar_tok_s": n_new / dec["ar"], **figures("spec"),
+           "accept_len_per_prompt": [(a + s) / s for s, a in zip(spec["steps"], spec["accepted"])],
+           "accept_len_ci95": accept_len_interval(spec["steps"], spec["accepted"]),
+           "e2e_ar_tok_s": total / secs["ar", False], "e2e_spec_tok_s": total / secs["spec", False],
+           "loop_step_over_decode_step": (dec["spec"] / sum(spec["steps"])) / (dec["ar"] / n_new),
+           "ar_step_s": dec["ar"] / n_new, "_outputs": outputs}
+    if temperature == 0:
         row["greedy_divergences"] = diverged
+    if also:
+        row["also"] = {str(n): figures(n) for n in also}
     return row
 
 
@@ -214,7 +227,7 @@ def plot(result: dict, path: str) -> None:
     """Speedup against per-token acceptance p: the cost model with this run's measured r and v, and with the seed's
     r = 0.1, v = 1; the seed's anchors; this run's measured points per workload and row. Per-position acceptance
     beside it. Written to a temporary name, then renamed."""
-    G = result["block_size"]
+    G = result.get("num_speculative_tokens") or result["block_size"]  # drafts verified a step (older runs: a block)
     ps = np.linspace(0.0, 0.999, 200)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.8))
     code = next(iter(result["workloads"].values()))["greedy"]
@@ -234,10 +247,12 @@ def plot(result: dict, path: str) -> None:
             p = _p_from_accept_len(row["accept_len"], G)
             ax.plot([p], [row["speedup"]], markers[mode], color=f"C{wi}", ms=9,
                     label=f"{w} {mode}: accept_len {row['accept_len']:.2f}, {row['speedup']:.2f}x")
-            bx.plot(range(1, G + 1), row["per_position_accept"], marker=markers[mode], color=f"C{wi}",
+            pp = row["per_position_accept"]
+            bx.plot(range(1, len(pp) + 1), pp, marker=markers[mode], color=f"C{wi}",
                     ls="-" if mode == "greedy" else ":", label=f"{w} {mode}")
     ax.set(xlabel="per-token acceptance p", ylabel="speedup over plain decoding", xlim=(0, 1), ylim=(0, G + 1),
-           title=f"DSpark speedup vs acceptance (block {G}, {result['backend']})")
+           title=f"DSpark speedup vs acceptance ({G} drafts a step, block {result['block_size']}, "
+                 f"{result['backend']})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     bx.set(xlabel="draft position", ylabel="P(accepted)", ylim=(0, 1.02), title="per-position acceptance")
@@ -300,6 +315,10 @@ def main(argv=None) -> int:
                     help="the drafter reads only the last N context positions (a ring buffer; lossless either way); "
                          "none: all of them; default: the checkpoint's (the shipped drafter's: 64; "
                          "docs/performance.md)")
+    ap.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="N",
+                    help="DSpark verifies only the block's first N drafts a step (default: the whole block; "
+                         "jdspark.generate's num_speculative_tokens); more counts after the first are timed in the "
+                         "same rounds too, each row's 'also'")
     ap.add_argument("--plot", default=None, help="write the speedup-vs-acceptance chart to this PNG")
     ap.add_argument("--replot", metavar="JSON", default=None, help="measure nothing: draw --plot from the last line "
                     "of an earlier run's --json output (a saved file)")
@@ -328,6 +347,11 @@ def main(argv=None) -> int:
     if drafter is None:
         raise SystemExit("bench: the checkpoint has no drafter/")
     drafter = apply_context_window(drafter, a.drafter_window)
+    G = drafter.config.block_size
+    n_drafts, *also = a.num_speculative_tokens or [G]
+    if not all(1 <= n <= G for n in (n_drafts, *also)) or len({n_drafts, *also}) < 1 + len(also):
+        ap.error(f"--num-speculative-tokens: expected distinct counts in 1..{G} (the drafter's block size), "
+                 f"got {' '.join(map(str, a.num_speculative_tokens))}")
     tokenizer = gen.load_tokenizer(ckpt, target.config)
     if a.prompt_file:
         try:
@@ -341,7 +365,8 @@ def main(argv=None) -> int:
         sources = {w: workloads.documents(w) for w in a.workloads}
     passes = None
     result = {"backend": __import__("jax").default_backend(), "checkpoint": note, "tokenizer": tokenizer.kind,
-              "block_size": drafter.config.block_size, "drafter_window": drafter.config.context_window,
+              "block_size": drafter.config.block_size, "num_speculative_tokens": n_drafts,
+              "drafter_window": drafter.config.context_window,
               "serving_dtype": target.config.serving_dtype,
               "bits_per_byte": heldout_bits_per_byte(target, tokenizer, a.corpus), "workloads": {}}
     print(f"[bench] held-out bits per byte {result['bits_per_byte']:.3f}", file=sys.stderr)
@@ -354,11 +379,12 @@ def main(argv=None) -> int:
                                                continuations=True)
         prompts, conts = [c[0] for c in cut], [c[1] for c in cut]
         if passes is None:  # once, on the first workload's first prompt
-            passes = _pass_seconds(target, drafter, prompts[0], a.max_new_tokens)
+            passes = _pass_seconds(target, drafter, prompts[0], a.max_new_tokens, n_drafts=n_drafts)
         result["workloads"][name] = {}
         for mode, temp, top_p in rows:
             r = run_workload(target, drafter, prompts, a.max_new_tokens, a.repeats, temperature=temp, top_p=top_p,
-                             seeds=[1000 * a.seed + i for i in range(len(prompts))])
+                             seeds=[1000 * a.seed + i for i in range(len(prompts))],
+                             num_speculative_tokens=n_drafts, also=also)
             r.update(degeneracy_figures(tokenizer, r.pop("_outputs"), conts))
             step_s = r.pop("ar_step_s")
             r["r_draft_over_step"] = passes["draft"] / step_s
@@ -375,6 +401,9 @@ def main(argv=None) -> int:
                   f"({_reference_text(r['reference'])}); cost model {r['predicted_speedup']:.2f}x with the "
                   f"measured verify = {r['v_verify_over_step']:.2f} decode steps, a whole DSpark step costs "
                   f"{r['loop_step_over_decode_step']:.2f}", file=sys.stderr)
+            for n, f in r.get("also", {}).items():
+                print(f"[bench] {name:10s} {mode:7s} {n} drafts a step: accept_len {f['accept_len']:.2f}  DSpark "
+                      f"{f['spec_tok_s']:.1f} tok/s  speedup {f['speedup']:.2f}x", file=sys.stderr)
     top = result["workloads"]["code" if "code" in sources else next(iter(sources))]
     for k in ("ar_tok_s", "spec_tok_s", "speedup", "accept_len", "accept_len_ci95", "per_position_accept",
               "predicted_speedup"):

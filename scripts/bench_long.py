@@ -12,7 +12,7 @@ how much of the prompt is held out); ``[BOS]`` first.
 
 Per length and drafter window: the prompt's prefill (``speculative.prefill_stream``: chunked as
 ``kimi.dispatch.prefill_chunk`` decides, or ``--prefill-chunk``), then DSpark's decode loop
-(``speculative.decode_loop``, greedy, EOS off, ``--max-new-tokens``) and, once per length, plain decoding's from a
+(``generation.decode_loop``, greedy, EOS off, ``--max-new-tokens``) and, once per length, plain decoding's from a
 copy of the same target cache. From ``--share-prefill-from`` tokens on (default 65536: a 128K prefill takes 4-5
 minutes on a 2-core CPU) the prompt is prefilled once, with the whole drafter context (window none first), and each
 later window's ring is cut from that context (``jdspark.drafter.ring_from_linear``: the same K/V; those entries
@@ -53,9 +53,10 @@ from flax import nnx  # noqa: E402
 
 from jdspark import data as jdata  # noqa: E402
 from jdspark.drafter import parse_context_window, ring_from_linear, with_context_window  # noqa: E402
+from jdspark.generation import cache_positions, decode_loop  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
 from jdspark.serving_copy import serving_pair  # noqa: E402
-from jdspark.speculative import Stream, cache_positions, decode_loop, prefill_stream  # noqa: E402
+from jdspark.speculative import Stream, prefill_stream  # noqa: E402
 from kimi import dispatch  # noqa: E402
 
 DEFAULT_LENGTHS = (1024, 8192, 32768, 131072)

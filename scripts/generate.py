@@ -213,6 +213,9 @@ def main(argv=None) -> int:
                          "draft cost stop growing with the context; lossless either way); none: all of them; "
                          "default: the checkpoint's (the shipped drafter's: 64, from which it accepts more than "
                          "from a longer context, docs/performance.md)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                    help="verify only the block's first N drafts a step (default: the whole block; on this CPU, "
+                         "where each verified position costs compute, fewer can pay: docs/performance.md)")
     ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side timing")
     ap.add_argument("--heldout", type=int, default=None, metavar="N", help="also time both modes on N held-out "
                     "code prompts (bench.py's code workload: one prompt's figures move far from the next's); "
@@ -253,6 +256,9 @@ def main(argv=None) -> int:
                  f"got {a.heldout}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
+    if a.num_speculative_tokens is not None and (a.no_draft or a.num_speculative_tokens < 1):
+        ap.error(f"--num-speculative-tokens: expected a count >= 1 (the drafter's block size at most), and none "
+                 f"with --no-draft; got {a.num_speculative_tokens}")
     try:  # the sampling flags, checked where generate checks them, before the pair loads
         jdspark.sampling.SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p)
     except ValueError as e:
@@ -265,10 +271,14 @@ def main(argv=None) -> int:
         drafter = None
     else:
         drafter = jdspark.drafter.apply_context_window(drafter, a.drafter_window)
+        if (a.num_speculative_tokens or 0) > drafter.config.block_size:
+            ap.error(f"--num-speculative-tokens: expected at most the drafter's block size "
+                     f"({drafter.config.block_size}), got {a.num_speculative_tokens}")
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-              seed=a.seed, prefill_chunk=a.prefill_chunk, grammar=constraint(ap, a, tokenizer, target.config))
+              seed=a.seed, prefill_chunk=a.prefill_chunk, grammar=constraint(ap, a, tokenizer, target.config),
+              num_speculative_tokens=a.num_speculative_tokens)
     healed = tokenizer.heal(ids) if a.token_healing and kw["grammar"] is None and not a.image else None
     if healed is not None:  # not with a constraint (it takes the text from the prompt's end) or images
         ids, kw["first_token_ids"] = np.asarray(healed.ids, np.int32), healed.first_ids
@@ -281,6 +291,8 @@ def main(argv=None) -> int:
     sys.stdout.write("\n")
     result = {"mode": "ar" if drafter is None else "dspark", "new_tokens": streamed.num_tokens,
               "stats": streamed.stats.as_dict(), "token_healing": None if healed is None else healed.text}
+    if drafter is not None:
+        result["num_speculative_tokens"] = a.num_speculative_tokens or drafter.config.block_size
     if not a.no_compare:
         runs = side_by_side(target, drafter, [(ids, kw)], a.repeats)
         result["ar_tok_s"] = runs["ar_tok_s"]
@@ -300,7 +312,8 @@ def main(argv=None) -> int:
     st = result["stats"]
     if drafter is not None:
         pp = " ".join(f"{x:.2f}" for x in st["per_position_accept"])
-        lines.append(f"accept_len {st['accept_len']:.2f} tokens/step (block {drafter.config.block_size}); "
+        lines.append(f"accept_len {st['accept_len']:.2f} tokens/step (block {drafter.config.block_size}, "
+                     f"{result['num_speculative_tokens']} drafts verified a step); "
                      f"per-position acceptance [{pp}]")
     if "ar_tok_s" in result:
         lines.append(f"plain decoding {result['ar_tok_s']:.1f} tok/s")

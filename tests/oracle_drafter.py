@@ -110,10 +110,12 @@ def greedy_reference(model, prompt, n: int) -> np.ndarray:
     return np.asarray(toks, np.int32)
 
 
-def schedule(prompt_len: int, max_new: int, G: int, seed: int = 0, truncate: bool = False):
+def schedule(prompt_len: int, max_new: int, G: int, seed: int = 0, truncate: bool = False,
+             num_drafts: Optional[int] = None):
     """(cuts, verify_cuts, Expected) along the anchor positions a correct greedy generation of max_new tokens
     visits. Cut lengths cycle through random permutations of 0..G (every length appears once per G+1 steps); with
-    ``truncate`` each step also gets a verify count, cycling through 0..G independently of the cut."""
+    ``truncate`` each step also gets a verify count, cycling through 0..G independently of the cut.
+    ``num_drafts``: the generation verifies at most that many drafts a step (``num_speculative_tokens``)."""
     rng = np.random.default_rng(seed)
     L = prompt_len + max_new + G + 2
     cuts = np.full(L, G, np.int64)
@@ -128,6 +130,7 @@ def schedule(prompt_len: int, max_new: int, G: int, seed: int = 0, truncate: boo
             v_cycle = list(rng.permutation(G + 1)) if truncate else [G]
         c, v = int(c_cycle.pop()), int(v_cycle.pop())
         cuts[pos], vcuts[pos] = c, v
+        v = v if num_drafts is None else min(v, num_drafts)
         m = min(c, v)
         lengths.append(min(m, max_new - n_out))  # drafts accepted past max_new are not the output's: not counted
         verified.append(v)
@@ -137,10 +140,12 @@ def schedule(prompt_len: int, max_new: int, G: int, seed: int = 0, truncate: boo
 
 
 def oracle_drafter(target, prompt, reference, max_new: int, *, block_size: int = 4, seed: int = 0,
-                   truncate: bool = False, config: Optional[jdspark.DSparkConfig] = None):
+                   truncate: bool = False, config: Optional[jdspark.DSparkConfig] = None,
+                   num_drafts: Optional[int] = None):
     """An OracleDrafter for ``target`` generating ``max_new`` tokens after ``prompt`` whose greedy continuation
     is ``reference`` (at least max_new + block_size + 1 tokens: the last block drafts past the end). ``config``:
-    a DSparkConfig to start from (e.g. a sharded test's); markov_rank is set to 0 and the confidence head on.
+    a DSparkConfig to start from (e.g. a sharded test's); markov_rank is set to 0 and the confidence head on;
+    ``num_drafts``: the Expected of a generation with ``num_speculative_tokens`` that many.
     Returns (drafter, Expected)."""
     prompt = np.asarray(prompt).reshape(-1)
     reference = np.asarray(reference).reshape(-1)
@@ -153,7 +158,7 @@ def oracle_drafter(target, prompt, reference, max_new: int, *, block_size: int =
     if len(reference) < max_new + G + 1:
         raise ValueError(f"reference: need {max_new + G + 1} tokens, got {len(reference)}")
     full = np.concatenate([prompt, reference])
-    cuts, vcuts, want = schedule(len(prompt), max_new, G, seed, truncate)
+    cuts, vcuts, want = schedule(len(prompt), max_new, G, seed, truncate, num_drafts)
     rng = np.random.default_rng(seed + 1)
     V = tc.vocab_size
     wrong = (full + 1 + rng.integers(0, V - 1, full.shape)) % V  # never the reference token
@@ -170,8 +175,9 @@ def histogram(stats, block_size: int) -> np.ndarray:
     return c[:-1] - c[1:]
 
 
-def assert_histogram(stats, want: Expected, label: str = ""):
-    """The run's acceptance is exactly the scheduled one, and every accepted length 0..G occurred."""
+def assert_histogram(stats, want: Expected, label: str = "", longest: Optional[int] = None):
+    """The run's acceptance is exactly the scheduled one, and every accepted length 0..``longest`` (default G)
+    occurred."""
     h = histogram(stats, want.block_size)
     print(f"acceptance histogram{' ' + label if label else ''} (steps with 0..{want.block_size} accepted): "
           f"{h.tolist()}")
@@ -179,4 +185,5 @@ def assert_histogram(stats, want: Expected, label: str = ""):
     assert int(stats.target_steps) == len(want.lengths), label
     assert int(stats.accepted) == sum(want.lengths), label
     assert int(stats.drafted) == sum(want.verified), label
-    assert (h > 0).all(), f"{label}: some accepted length never occurred: {h.tolist()}"
+    top = want.block_size if longest is None else longest
+    assert (h[:top + 1] > 0).all(), f"{label}: some accepted length 0..{top} never occurred: {h.tolist()}"

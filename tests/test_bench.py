@@ -108,3 +108,37 @@ def test_greedy_divergence_names_the_first_differing_token_and_both_models_gaps(
     assert d["gap_fp32"] == pytest.approx(fp32[23] - fp32[40], abs=1e-5)
     assert d["gap_bf16"] == pytest.approx(bf16[23] - bf16[40], abs=1e-5)
     assert d["bf16_shift"] == pytest.approx(np.abs(bf16 - fp32).max(), abs=1e-5) and d["bf16_shift"] > 0
+
+
+def test_run_workload_times_more_draft_counts_in_the_same_rounds():
+    """``run_workload(also=...)``: each extra count is a DSpark mode of its own, its acceptance pooled over the
+    prompts' steps exactly as ``jdspark.generate`` with that ``num_speculative_tokens`` reports them (one draft a
+    step: no accepted length above 1), greedy output equal to plain decoding's; the main row is the whole block's."""
+    import numpy as np
+
+    import jdspark
+    import kimi
+    from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
+
+    cfg = kimi.KimiConfig.tiny()
+    target = scaled_target(cfg, 0.1)
+    drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0)), 0.1, 30.0)
+    rng = np.random.default_rng(8)  # greedy, 64 new tokens: test_speculative's programs
+    prompts = [rng.integers(3, cfg.vocab_size, size=n) for n in (11, 40)]
+    row = bench.run_workload(target, drafter, prompts, 64, repeats=1, also=(1,))
+
+    def pooled(n):
+        st = [jdspark.generate(target, drafter, p, max_new_tokens=64, eos_token_id=-1, seed=i,
+                               num_speculative_tokens=n).stats for i, p in enumerate(prompts)]
+        steps, accepted = sum(int(s.target_steps) for s in st), sum(int(s.accepted) for s in st)
+        return (accepted + steps) / steps, sum(np.asarray(s.accept_counts) for s in st) / steps
+
+    one = row["also"]["1"]
+    assert set(row["also"]) == {"1"} and one["greedy_mismatches"] == 0 == row["greedy_mismatches"]
+    for got, n in ((row, None), (one, 1)):
+        accept_len, per_position = pooled(n)
+        assert got["accept_len"] == pytest.approx(accept_len)
+        np.testing.assert_allclose(got["per_position_accept"], per_position)
+        assert got["speedup"] > 0 and got["spec_tok_s"] > 0
+    assert 1.0 < one["accept_len"] <= 2.0 < row["accept_len"]
+    assert not any(one["per_position_accept"][1:])

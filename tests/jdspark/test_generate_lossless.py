@@ -52,6 +52,25 @@ def test_confidence_truncation_greedy_lossless(tiny):
     assert_histogram(out.stats, want, "tiny greedy, confidence-truncated")
 
 
+
+def test_fewer_speculative_tokens_greedy_lossless(tiny):
+    """``num_speculative_tokens`` n < G: every step verifies only the block's first n drafts, so exactly
+    min(cut, n) are accepted (every length 0..n occurs, none longer), n drafted a step, the same tokens; out of
+    range: a ValueError naming it; plain decoding ignores it."""
+    target, prompt, ref = tiny
+    n = 2
+    drafter, want = oracle_drafter(target, prompt, ref, N, block_size=G, seed=0, num_drafts=n)
+    assert set(want.verified) == {n}
+    out = jdspark.generate(target, drafter, prompt, max_new_tokens=N, eos_token_id=-1, num_speculative_tokens=n)
+    np.testing.assert_array_equal(out.tokens, ref[:N])
+    assert_histogram(out.stats, want, f"tiny greedy, {n} drafts a step", longest=n)
+    assert not np.asarray(out.stats.accept_counts)[n:].any()
+    for bad in (0, G + 1, 1.5, True):
+        with pytest.raises(ValueError, match=f"num_speculative_tokens: expected an int in 1..{G}"):
+            jdspark.generate(target, drafter, prompt, max_new_tokens=N, num_speculative_tokens=bad)
+    plain = jdspark.generate(target, None, prompt, max_new_tokens=N, eos_token_id=-1, num_speculative_tokens=n)
+    np.testing.assert_array_equal(plain.tokens, ref[:N])
+
 # ---------------------------------------------------------------------------------------------------- EOS, stream
 @pytest.fixture(scope="module")
 def small():

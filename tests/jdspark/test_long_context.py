@@ -14,9 +14,10 @@ import kimi
 from jdspark import data as jdata
 from jdspark.drafter import ring_from_linear, with_context_window
 from jdspark.engine import SamplingRequest
+from jdspark.generation import cache_positions
 from jdspark.sampling import SamplingParams
 from jdspark.slots import SlotBackend
-from jdspark.speculative import cache_positions, prefill_stream
+from jdspark.speculative import prefill_stream
 from kimi import dispatch
 from tests.oracle_drafter import assert_histogram, histogram, oracle_drafter
 

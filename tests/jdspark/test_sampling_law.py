@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import kimi
-from jdspark import serving_copy, speculative
+from jdspark import generation, serving_copy
 from jdspark.adaptive import monotone_costs
 from jdspark.engine import SamplingRequest
 from jdspark.grammar import TokenFSM
@@ -39,7 +39,7 @@ def _sample(target, drafter, prompt, sp: SamplingParams, threshold: float, n: in
     padded = jnp.asarray(np.array(prompt, np.int32)[None])
 
     def one(k):
-        out, _, st = speculative._generate_program(t_graph, d_graph, T_LAW, sp, -1, threshold, t_state, d_state,
+        out, _, st = generation._generate_program(t_graph, d_graph, T_LAW, sp, -1, threshold, t_state, d_state,
                                                    padded, jnp.int32(len(prompt)), k, None, None, None,
                                                    penalties, controls)
         return out[:T_LAW], st

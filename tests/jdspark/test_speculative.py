@@ -18,7 +18,7 @@ from flax import nnx
 
 import jdspark
 import kimi
-from jdspark import serving_copy, speculative
+from jdspark import generation, serving_copy, speculative
 from tests.oracle_drafter import assert_histogram, greedy_reference, histogram, oracle_drafter
 
 _OUT_PROJ = {"o_proj", "down_proj", "routed_expert_up_proj"}
@@ -79,8 +79,8 @@ def test_lossless_greedy_many_seeds(tiny_cfg):
         target = scaled_target(cfg, eps, seed=ci)
         drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0, seed=ci)), wrong, 30.0, seed=ci)
         for p in prompts:
-            ar = speculative.generate(target, None, p, max_new_tokens=64, eos_token_id=-1)
-            sp = speculative.generate(target, drafter, p, max_new_tokens=64, eos_token_id=-1)
+            ar = generation.generate(target, None, p, max_new_tokens=64, eos_token_id=-1)
+            sp = generation.generate(target, drafter, p, max_new_tokens=64, eos_token_id=-1)
             assert ar.num_tokens == sp.num_tokens == 64
             np.testing.assert_array_equal(sp.tokens, ar.tokens, err_msg=f"case eps={eps} wrong={wrong} prompt {p}")
             accept_lens.append(sp.stats.accept_len)
@@ -99,29 +99,29 @@ def test_one_program_per_padded_length(tiny_cfg):
     cfg = tiny_cfg
     target = scaled_target(cfg, 0.1)
     drafter = markov_drafter(target, bigram_map(scaled_target(cfg, 0.0)), 0.0, 30.0)
-    speculative.generate(target, drafter, np.arange(3, 13), max_new_tokens=16)
-    n = speculative.compiled_programs()
-    out = speculative.generate(target, drafter, np.arange(20, 50), max_new_tokens=16, seed=5)  # same bucket (64)
-    assert speculative.compiled_programs() == n
+    generation.generate(target, drafter, np.arange(3, 13), max_new_tokens=16)
+    n = generation.compiled_programs()
+    out = generation.generate(target, drafter, np.arange(20, 50), max_new_tokens=16, seed=5)  # same bucket (64)
+    assert generation.compiled_programs() == n
     assert out.num_tokens == 16
 
 
 def test_bad_input(tiny_cfg):
     target = kimi.KimiForCausalLM(tiny_cfg, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="vocabulary"):
-        speculative.generate(target, None, [1, tiny_cfg.vocab_size])
+        generation.generate(target, None, [1, tiny_cfg.vocab_size])
     with pytest.raises(ValueError, match="batch 1"):
-        speculative.generate(target, None, np.zeros((2, 3), np.int32))
+        generation.generate(target, None, np.zeros((2, 3), np.int32))
     with pytest.raises(ValueError, match="max_new_tokens"):
-        speculative.generate(target, None, [1, 2], max_new_tokens=0)
+        generation.generate(target, None, [1, 2], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
-        speculative.generate(target, None, [1, 2], temperature=1.0, top_p=0.0)
+        generation.generate(target, None, [1, 2], temperature=1.0, top_p=0.0)
     for kw, said in ((dict(seed=2 ** 70), "seed: expected an int in"),
                      (dict(eos_token_id=tiny_cfg.vocab_size), "eos_token_id: expected a token id in"),
                      (dict(min_tokens=5), r"min_tokens: expected at most max_new_tokens \(4\)"),
                      (dict(prompt_bucket=0), "prompt_bucket: expected an int >= 1")):
         with pytest.raises(ValueError, match=said):  # each said before anything compiles
-            speculative.generate(target, None, [1, 2], max_new_tokens=4, **kw)
+            generation.generate(target, None, [1, 2], max_new_tokens=4, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +152,8 @@ def test_serving_layout_matches_the_checkpoint_model(mxfp4_target):
     # must equal the checkpoint model's own step decoding (packed experts, no copy, no generate loop)
     ref = greedy_reference(target, toks[0], 32 + 4 + 1)
     drafter, want = oracle_drafter(target, toks[0], ref, 32, block_size=4, seed=6)
-    ar = speculative.generate(target, None, toks[0], max_new_tokens=32, eos_token_id=-1)
-    sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
+    ar = generation.generate(target, None, toks[0], max_new_tokens=32, eos_token_id=-1)
+    sp = generation.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
     np.testing.assert_array_equal(ar.tokens, ref[:32])
     np.testing.assert_array_equal(sp.tokens, ref[:32])
     assert_histogram(sp.stats, want, "serving copy")
@@ -174,12 +174,12 @@ def test_bf16_serving_is_lossless_and_close_to_fp32(mxfp4_target):
     got = served.prefill(toks, served.init_cache(1, 16)).logits
     err = float(jnp.max(jnp.abs(got - ref)))
     assert 0 < err < 0.05 * float(jnp.max(jnp.abs(ref)))  # changed (bf16 really used), but only by rounding
-    ar = speculative.generate(target, None, toks[0], max_new_tokens=32 + 4 + 1, eos_token_id=-1)
+    ar = generation.generate(target, None, toks[0], max_new_tokens=32 + 4 + 1, eos_token_id=-1)
     drafter, want = oracle_drafter(target, toks[0], ar.tokens, 32, block_size=4, seed=7)
     served_d = jdspark.drafter.with_serving_layout(drafter, "bfloat16")
     assert served_d.fc.kernel[...].dtype == jnp.bfloat16
     assert served_d.dtype == jnp.float32 and served_d.init_cache(1, 8).k.dtype == jnp.float32  # fp32 activations
-    sp = speculative.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
+    sp = generation.generate(target, drafter, toks[0], max_new_tokens=32, eos_token_id=-1)
     np.testing.assert_array_equal(sp.tokens, ar.tokens[:32])
     assert_histogram(sp.stats, want, "bf16 serving")
 
@@ -228,7 +228,7 @@ def test_serving_copy_is_kept_until_the_weights_change(mxfp4_target):
     again_t, again_d = serving_copy.serving_pair(target, drafter)
     assert again_t is served_t and again_d is served_d
     assert serving_copy.serving_pair(target, None)[0] is served_t  # plain decoding shares the target's copy
-    before = speculative.generate(target, drafter, toks[0], max_new_tokens=12, eos_token_id=-1).tokens
+    before = generation.generate(target, drafter, toks[0], max_new_tokens=12, eos_token_id=-1).tokens
     assert serving_copy.serving_pair(target, drafter)[0] is served_t
 
     other = kimi.KimiForCausalLM(target.config, rngs=nnx.Rngs(9))
@@ -237,7 +237,7 @@ def test_serving_copy_is_kept_until_the_weights_change(mxfp4_target):
     assert serving_copy.serving_pair(target, drafter)[1] is served_d  # the drafter's weights did not change
     want = greedy_reference(target, toks[0], 12)
     assert not np.array_equal(want, before)  # the change is visible in the tokens
-    np.testing.assert_array_equal(speculative.generate(target, drafter, toks[0], max_new_tokens=12,
+    np.testing.assert_array_equal(generation.generate(target, drafter, toks[0], max_new_tokens=12,
                                                        eos_token_id=-1).tokens, want)
 
 
@@ -288,18 +288,18 @@ def test_first_token_ids_mask_the_first_draw_only(tiny_cfg):
     logits = np.asarray(target.prefill(prompt[None].astype(np.int32), target.init_cache(1, 16)).logits)[0, -1]
     order = np.argsort(-logits)
     allowed = tuple(int(i) for i in order[5:9])  # the model's 6th-9th likeliest: never its own first choice
-    n = speculative.compiled_programs()
-    ar = speculative.generate(target, None, prompt, max_new_tokens=24, eos_token_id=-1, first_token_ids=allowed)
+    n = generation.compiled_programs()
+    ar = generation.generate(target, None, prompt, max_new_tokens=24, eos_token_id=-1, first_token_ids=allowed)
     assert ar.tokens[0] == order[5]
     want = greedy_reference(target, np.concatenate([prompt, ar.tokens[:1]]), 23)
     np.testing.assert_array_equal(ar.tokens[1:], want)  # the steps after the first are not masked
-    sp = speculative.generate(target, drafter, prompt, max_new_tokens=24, eos_token_id=-1, first_token_ids=allowed)
+    sp = generation.generate(target, drafter, prompt, max_new_tokens=24, eos_token_id=-1, first_token_ids=allowed)
     np.testing.assert_array_equal(sp.tokens, ar.tokens)
-    again = speculative.generate(target, None, prompt, max_new_tokens=24, eos_token_id=-1,
+    again = generation.generate(target, None, prompt, max_new_tokens=24, eos_token_id=-1,
                                  first_token_ids=(int(order[3]),))
-    assert again.tokens[0] == order[3] and speculative.compiled_programs() == n + 2
+    assert again.tokens[0] == order[3] and generation.compiled_programs() == n + 2
     with pytest.raises(ValueError, match="first_token_ids: token ids"):
-        speculative.generate(target, None, prompt, max_new_tokens=4, first_token_ids=(cfg.vocab_size,))
+        generation.generate(target, None, prompt, max_new_tokens=4, first_token_ids=(cfg.vocab_size,))
 
 
 def test_generate_script_side_by_side_pools_its_prompts(tiny_cfg):
@@ -319,7 +319,7 @@ def test_generate_script_side_by_side_pools_its_prompts(tiny_cfg):
     rng = np.random.default_rng(8)  # (greedy, 64 tokens: test_lossless_greedy_many_seeds' programs)
     runs = [(rng.integers(3, cfg.vocab_size, size=n), dict(max_new_tokens=64, eos_token_id=-1, seed=0))
             for n in (11, 40)]
-    stats = [speculative.generate(target, drafter, p, **kw).stats for p, kw in runs]
+    stats = [generation.generate(target, drafter, p, **kw).stats for p, kw in runs]
     steps = sum(int(st.target_steps) for st in stats)
     accepted = sum(int(st.accepted) for st in stats)
     assert len({round(st.accept_len, 6) for st in stats}) == 2

@@ -101,7 +101,7 @@ def test_greedy_continue_equals_plain_generate(ul_script):
     """The fine-tuning's batched greedy continuations are the model's own greedy decoding, row by row."""
     from flax import nnx
 
-    from jdspark.speculative import generate
+    from jdspark.generation import generate
     from kimi import KimiConfig, KimiForCausalLM
 
     cfg = KimiConfig.tiny()

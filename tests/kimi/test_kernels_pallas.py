@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import kimi
-from jdspark import speculative
+from jdspark import generation
 from kimi import dispatch, mxfp4
 from kimi.kernels import kda_decode as kd
 from kimi.kernels import mxfp4_moe as mm
@@ -383,10 +383,10 @@ def test_generate_with_pallas_kernels_is_lossless_and_matches_xla():
     nnx.update(target_x, nnx.state(target_p))  # the same weights, built once
     assert not dispatch.serving_copy(cfg_p, sharded=False) and dispatch.serving_copy(cfg_x, sharded=False)
     p = np.arange(3, 12)
-    ar = speculative.generate(target_p, None, p, max_new_tokens=24 + 4 + 1, eos_token_id=-1)
+    ar = generation.generate(target_p, None, p, max_new_tokens=24 + 4 + 1, eos_token_id=-1)
     drafter, want = oracle_drafter(target_p, p, ar.tokens, 24, block_size=4, seed=1)
-    sp = speculative.generate(target_p, drafter, p, max_new_tokens=24, eos_token_id=-1)
-    xla = speculative.generate(target_x, None, p, max_new_tokens=24 + 4 + 1, eos_token_id=-1)
+    sp = generation.generate(target_p, drafter, p, max_new_tokens=24, eos_token_id=-1)
+    xla = generation.generate(target_x, None, p, max_new_tokens=24 + 4 + 1, eos_token_id=-1)
     np.testing.assert_array_equal(sp.tokens, ar.tokens[:24])
     np.testing.assert_array_equal(ar.tokens, xla.tokens)
     assert_histogram(sp.stats, want, "pallas")  # every accepted length 0..4: every rollback case ran
