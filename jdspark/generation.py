@@ -21,7 +21,7 @@ from jax.experimental import io_callback
 from jdspark.drafter import check_target
 from jdspark.sampling import Penalties, SamplingParams, logit_controls
 from jdspark.serving_copy import serving_pair
-from jdspark.speculative import Stream, plain_step, prefill_stream, spec_step
+from jdspark.speculative import Stream, plain_step, prefill_stream, spec_step, verify_width
 from kimi import dispatch
 from kimi.model import check_token_ids
 from kimi.prefill import chunked_positions
@@ -228,7 +228,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     pen = None if pen.off and controls is None else pen
     if drafter is not None:
         check_target(drafter.config, target)
-    width = _verify_width(drafter, num_speculative_tokens)
+    width = verify_width(drafter, num_speculative_tokens)
     eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
     if images is not None and prefill_chunk is None:
         prefill_chunk = 0  # a prompt with images: one pass (prefill_stream says so if a chunk is asked for)
@@ -266,19 +266,6 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
                                       None if first_allowed is None else jnp.asarray(first_allowed), width)
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
-
-
-def _verify_width(drafter, num_speculative_tokens) -> Optional[int]:
-    """``spec_step``'s static width for ``num_speculative_tokens`` drafts a step: None (the whole block, one
-    program either way) when it is unset, the drafter's block size G, or there is no drafter (plain decoding
-    verifies nothing, as it ignores ``confidence_threshold``); n + 1 for 1 <= n < G."""
-    n = num_speculative_tokens
-    if n is None or drafter is None:
-        return None
-    G = drafter.config.block_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= G:
-        raise ValueError(f"num_speculative_tokens: expected an int in 1..{G} (the drafter's block size), got {n!r}")
-    return None if n == G else int(n) + 1
 
 
 def compiled_programs() -> int:

@@ -371,6 +371,7 @@ def make_engine(a: argparse.Namespace):
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
                           max_logprobs=a.max_logprobs if a.logprobs else None, penalties=a.penalties,
                           guided_states=a.guided_states, guided_classes=a.guided_classes,
+                          num_speculative_tokens=a.num_speculative_tokens,
                           adaptive=a.spec == "adaptive" and drafter is not None and drafter.confidence_head is not None)
     metrics = ServeMetrics(name, max_positions=backend.G + 1)
     engine = Engine(backend, tok, eos_token_id=target.config.eos_token_id, max_waiting=a.max_waiting,

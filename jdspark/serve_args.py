@@ -62,8 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-waiting", type=int, default=64, help="queued requests before 429 (>= 1: a request waits "
                     "there until a slot frees, so 0 would refuse every request)")
     ap.add_argument("--spec", choices=("off", "fixed", "adaptive"), default="adaptive",
-                    help="off: plain decoding for every request; fixed: verify the drafter's whole block; adaptive: "
+                    help="off: plain decoding for every request; fixed: verify the drafter's whole block (or "
+                         "--num-speculative-tokens of it); adaptive: "
                          "the default request mode picks each step's verify width (requests may ask 'fixed')")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+                    help="drafts a step verifies at most (vLLM's setting): fixed verifies the block's first N, "
+                         "adaptive picks up to N (default: the drafter's whole block; on a CPU, where each verified "
+                         "position costs compute, fewer can pay: docs/performance.md)")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--compile-cache", default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or COMPILE_CACHE_DIR,
                     metavar="DIR",
@@ -188,4 +193,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--max-logprobs: expected an int >= 0, got {a.max_logprobs}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error(f"--prefill-chunk: expected an int >= 0, got {a.prefill_chunk}")
+    if a.num_speculative_tokens is not None and (a.num_speculative_tokens < 1 or a.spec == "off"):
+        ap.error(f"--num-speculative-tokens: expected an int >= 1 (the drafter's block size at most), and none with "
+                 f"--spec off; got {a.num_speculative_tokens}")
     return a

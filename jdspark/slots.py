@@ -26,12 +26,13 @@ Per-request ``speculative: false`` caps that row's drafts at 0 (its step is a pl
 drafter-free plain program when no row of the step drafts). Its insert still prefills the drafter's context (one
 insert program per prompt bucket; the drafter's share of a prefill is small), which it never reads.
 
-Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1); ``adaptive`` (``jdspark.adaptive``)
-picks W from the compiled widths (default 1, 2, 4, G + 1) by the confidence head's survival curves of each row's
+Verify width per step: ``fixed`` verifies the drafter's whole block (W = G + 1; with ``num_speculative_tokens`` n,
+vLLM's setting, its first n drafts: W = n + 1, the widest compiled); ``adaptive`` (``jdspark.adaptive``)
+picks W from the compiled widths (default 1, 2, 4, n + 1) by the confidence head's survival curves of each row's
 previous block and the step costs ``warm_up()`` measured; a step at width W decodes only the W - 1 drafts it
 verifies (``speculative.draft_block``: the drafter's layers run the whole block, its vocabulary projection and
 sequential head only those slots), which is what makes a narrow width cheaper than a whole block. A step holding
-any ``fixed`` row runs at G + 1; a step whose rows all speculate 0 drafts is a plain decode (W = 1), run without
+any ``fixed`` row runs at the widest; a step whose rows all speculate 0 drafts is a plain decode (W = 1), run without
 the drafter when none of its rows ever drafts (their requests' caps are 0), and extending the drafter's context
 otherwise (adaptive's plain steps).
 """
@@ -56,7 +57,7 @@ from jdspark.serving_copy import serving_pair
 from jdspark.slot_inputs import controls_input, first_token_input, grammar_input
 from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, insert_row, step_rows
 from jdspark.slot_startup import StartUp
-from jdspark.speculative import prefill_stream
+from jdspark.speculative import prefill_stream, verify_width
 from jdspark.stop_strings import STOP_CLASSES, STOP_STATES, set_stops
 from kimi import dispatch
 from kimi.prefill import chunked_positions
@@ -122,6 +123,7 @@ class SlotBackend(StartUp):
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
                  prompt_buckets: Sequence[int] = (64, 128, 256, 512), batch_buckets: Optional[Sequence[int]] = None,
                  seed: int = 0, adaptive: bool = False, widths: Optional[Sequence[int]] = None,
+                 num_speculative_tokens: Optional[int] = None,
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH,
                  multi_step_plain_max_batch: Optional[int] = None, prefix_pool: Optional[int] = 0,
@@ -214,7 +216,7 @@ class SlotBackend(StartUp):
         self.adaptive = bool(adaptive) and self.drafter is not None and self.drafter.confidence_head is not None
         if adaptive and not self.adaptive:
             raise ValueError("adaptive verification needs a drafter with a confidence head")
-        full = self.G + 1
+        full = verify_width(self.drafter, num_speculative_tokens) or 1  # the widest step: a fixed row's
         if widths is None:
             widths = sorted({1, full} | ({w for w in (2, 4) if w < full} if self.adaptive else set()))
         self.widths = tuple(sorted(int(w) for w in widths))
@@ -395,7 +397,7 @@ class SlotBackend(StartUp):
         if self.drafter is None or caps.max() == 0:
             return 1
         if not self.adaptive or any(self.modes[s] == "fixed" and c > 0 for s, c in zip(slots, caps)):
-            return self.G + 1
+            return self.widths[-1]
         if not self.costs:
             raise RuntimeError("adaptive verification needs the step costs: call warm_up() first")
         b = self._bucket(len(slots))

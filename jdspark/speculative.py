@@ -23,6 +23,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdspark import rng
 from jdspark.logprobs import TokenLogprobs, token_logprobs, when
@@ -350,3 +351,16 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     return (dataclasses.replace(st, anchor=nxt[None], cache=cache, dcache=dcache, key=key, counts=counts,
                                 fsm=advanced(st, new, m + 1)),
             StepOut(new, m + 1, n_verify, m, survival, lp))
+
+
+def verify_width(drafter, num_speculative_tokens: Optional[int] = None) -> Optional[int]:
+    """The widest verify step for ``num_speculative_tokens`` n drafts a step (vLLM's setting): n + 1, the
+    anchor included (default n = the drafter's block size G); None without a drafter (plain decoding verifies no
+    drafts and ignores it). A ValueError names an n outside 1..G."""
+    if drafter is None:
+        return None
+    G = drafter.config.block_size
+    n = G if num_speculative_tokens is None else num_speculative_tokens
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= G:
+        raise ValueError(f"num_speculative_tokens: expected an int in 1..{G} (the drafter's block size), got {n!r}")
+    return int(n) + 1

@@ -352,6 +352,17 @@ def test_server_flags_reach_the_slots(capsys):
         assert (backend.steps_at(8, 1), backend.steps_at(8, backend.G + 1)) == at8
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-plain-max-batch", "-1"])
+    # --num-speculative-tokens N (vLLM's): the widest step verifies N drafts, fixed rows at it, adaptive up to it
+    for flag, widths in ((["--spec", "fixed"], (1, 4)), ([], (1, 2, 4)), (["--num-speculative-tokens", "7"], None)):
+        flags = ["--num-speculative-tokens", "3", *flag] if widths else flag
+        _, backend, *_ = serve.make_engine(serve.parse_args(["--slots", "2", "--max-len", "256", "--prompt-buckets",
+                                                             "64", *flags]))
+        assert backend.widths == (widths or (1, 2, 4, backend.G + 1))
+    with pytest.raises(ValueError, match="num_speculative_tokens: expected an int in 1..7"):
+        serve.make_engine(serve.parse_args(["--num-speculative-tokens", "8"]))
+    for bad in (["--num-speculative-tokens", "0"], ["--spec", "off", "--num-speculative-tokens", "2"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
     for bad in (["--slots", "0"], ["--max-len", "0"], ["--max-waiting", "-1"], ["--port", "70000"],
                 ["--prompt-buckets", "64,x"], ["--prompt-buckets", "0"]):
         with pytest.raises(SystemExit):
