@@ -5,6 +5,7 @@
   python scripts/bench.py --prompt-file mine.jsonl --json   # your own prompts: {"prompt": ...} lines
   python scripts/bench.py --json --plot bench.png   # and the chart: speedup against per-token acceptance
   python scripts/bench.py --replot run.json --plot bench.png   # the chart again from a saved --json output
+  python scripts/bench.py --workloads code --num-speculative-tokens 7 5 3 --json   # fewer drafts a step, side by side
 
 Batch 1, held-out prompts, ``--max-new-tokens`` each; compilation and a warm-up run are excluded; both modes run the
 same prompts in the same process, interleaved, ``--repeats`` times each (the fastest run of each counts). Each
@@ -21,7 +22,10 @@ with v = 1 as seed 000 assumes for a memory-bound accelerator (``predicted_speed
 ``bits_per_byte``: the target on the held-out split of its training corpus. The top-level fields describe the code
 workload's greedy row (or the ``--corpus`` directory's, or the ``--prompt-file``'s). An operator's own prompts
 (``--prompt-file``: JSON Lines, ``jdspark.workloads.read_prompt_file``) are measured whole, each at its own length;
-they have no real continuation, so their row's ``reference`` is null.
+they have no real continuation, so their row's ``reference`` is null. ``--num-speculative-tokens N [M ...]``: DSpark
+verifies only the block's first N drafts a step (the top-level ``num_speculative_tokens``); each further count is
+timed in the same rounds as one more DSpark mode, reported in each row's ``also`` ({count: tok/s, speedup,
+acceptance}).
 """
 
 from __future__ import annotations
