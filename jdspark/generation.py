@@ -197,8 +197,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     ``num_speculative_tokens`` (vLLM's name; default: the drafter's whole block G): each step verifies only the
     block's first n drafts (``spec_step``'s width n + 1; the drafter decodes only those). Where a verified position
     costs compute (this CPU: a verify of the shipped pair's whole block costs ~1.8-2 decode steps,
-    docs/performance.md) and late drafts are seldom accepted, fewer pay better; on a GPU, where verifying a block costs about one decode, the whole block does.
-    Plain decoding (drafter=None) ignores it."""
+    docs/performance.md) and late drafts are seldom accepted, fewer pay better; on a GPU, where verifying a block
+    costs about one decode, the whole block does. Plain decoding (drafter=None) ignores it."""
     ids = np.asarray(prompt_ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
