@@ -4,6 +4,7 @@ and the speedup over plain decoding measured in the same run.
   python scripts/generate.py --prompt "def fibonacci(n):"            # DSpark on
   python scripts/generate.py --prompt "..." --no-draft               # plain decoding
   python scripts/generate.py --demo                                  # the code prompt `make demo` uses
+  python scripts/generate.py --demo --num-speculative-tokens 7 3 2   # DSpark at 7, 3 and 2 drafts a step, timed
   python scripts/generate.py --prompt-file long.py --drafter-window none   # a long prompt; the drafter reads all
   python scripts/generate.py --prompt "..." --json-schema '{"type": "object", "properties": {...}}'  # JSON output
 """
@@ -37,6 +38,8 @@ def list_python_files(root):
 
 # --heldout's prompts: as long as scripts/bench.py's (--prompt-len), so the figures compare with its code rows
 HELDOUT_PROMPT_LEN = 128
+DEMO_FEWER_DRAFTS = 3  # --demo also times DSpark verifying this many drafts a step (this CPU's best count for the
+# shipped pair, docs/performance.md "Fewer drafts a step")
 
 # Generations serve bf16 matmul weights (fp32 accumulation; kimi/ops/linear.py): on this CPU both plain decoding
 # and DSpark run faster than with fp32 weights, and the shipped pair's greedy output on the bench prompts is the same.
@@ -119,42 +122,49 @@ def with_images(ids, paths, cfg, ckpt):
     return np.array(image_lib.expand_placeholders(ids, vin.grid_thw, cfg.vision), np.int32), vin
 
 
-def side_by_side(target, drafter, runs, repeats: int) -> dict:
+def side_by_side(target, drafter, runs, repeats: int, also=()) -> dict:
     """Plain decoding against DSpark (``drafter``; None: plain only) on each (prompt ids, ``jdspark.generate``
-    keywords) of ``runs``: both modes compiled and warmed up first (excluded), then ``repeats`` timed runs of each,
+    keywords) of ``runs``: every mode compiled and warmed up first (excluded), then ``repeats`` timed runs of each,
     the modes interleaved; the fastest run of each (prompt, mode) counts (a shared machine's noise only adds time).
     Returns tok/s over all the prompts (new tokens / summed seconds, each prompt's prefill included) and DSpark's
     pooled acceptance: accept_len = (accepted + steps) / steps and the per-position acceptance, summed over the
-    prompts' steps."""
-    modes = [("ar", None)] + ([("spec", drafter)] if drafter is not None else [])
+    prompts' steps. Each count n in ``also`` is one more DSpark mode, ``num_speculative_tokens=n``, timed in the same
+    rounds (``also``: {n: its tok/s, speedup, accept_len})."""
+    modes = [("ar", None, {})] + ([("spec", drafter, {})] if drafter is not None else [])
+    modes += [(n, drafter, {"num_speculative_tokens": n}) for n in (also if drafter is not None else ())]
     for ids, kw in runs:
-        for _, d in modes:
-            jdspark.generate(target, d, ids, **kw)
-    seconds, tokens = {m: 0.0 for m, _ in modes}, {m: 0 for m, _ in modes}
-    steps = accepted = 0
-    counts = None
+        for _, d, extra in modes:
+            jdspark.generate(target, d, ids, **{**kw, **extra})
+    seconds, tokens = {m: 0.0 for m, _, _ in modes}, {m: 0 for m, _, _ in modes}
+    steps = {m: 0 for m, _, _ in modes[1:]}
+    accepted, counts = dict(steps), dict(steps)
     for ids, kw in runs:
         best = {}
         for _ in range(repeats):
-            for name, d in modes:
+            for name, d, extra in modes:
                 t0 = time.perf_counter()
-                out = jdspark.generate(target, d, ids, **kw)
+                out = jdspark.generate(target, d, ids, **{**kw, **extra})
                 sec = time.perf_counter() - t0
                 if sec < best.get(name, (float("inf"),))[0]:
                     best[name] = (sec, out)
         for name, (sec, out) in best.items():
             seconds[name] += sec
             tokens[name] += out.num_tokens
-        if drafter is not None:
-            st = best["spec"][1].stats
-            steps, accepted = steps + int(st.target_steps), accepted + int(st.accepted)
-            c = np.asarray(st.accept_counts, np.int64)
-            counts = c if counts is None else counts + c
+            if name in steps:
+                st = out.stats
+                steps[name], accepted[name] = steps[name] + int(st.target_steps), accepted[name] + int(st.accepted)
+                counts[name] = counts[name] + np.asarray(st.accept_counts, np.int64)
+
+    def figures(m):
+        tok_s = tokens[m] / seconds[m]
+        return {"spec_tok_s": tok_s, "accept_len": (accepted[m] + steps[m]) / steps[m],
+                "per_position_accept": (counts[m] / steps[m]).tolist(), "speedup": tok_s / res["ar_tok_s"]}
+
     res = {"ar_tok_s": tokens["ar"] / seconds["ar"]}
     if drafter is not None:
-        res.update(spec_tok_s=tokens["spec"] / seconds["spec"], accept_len=(accepted + steps) / steps,
-                   per_position_accept=(counts / steps).tolist())
-        res["speedup"] = res["spec_tok_s"] / res["ar_tok_s"]
+        res.update(figures("spec"))
+    if also and drafter is not None:
+        res["also"] = {str(n): figures(n) for n in also}
     return res
 
 
@@ -213,9 +223,11 @@ def main(argv=None) -> int:
                          "draft cost stop growing with the context; lossless either way); none: all of them; "
                          "default: the checkpoint's (the shipped drafter's: 64, from which it accepts more than "
                          "from a longer context, docs/performance.md)")
-    ap.add_argument("--num-speculative-tokens", type=int, default=None, metavar="N",
+    ap.add_argument("--num-speculative-tokens", type=int, nargs="+", default=None, metavar="N",
                     help="verify only the block's first N drafts a step (default: the whole block; on this CPU, "
-                         "where each verified position costs compute, fewer can pay: docs/performance.md)")
+                         "where each verified position costs compute, fewer can pay: docs/performance.md); more "
+                         "counts after the first are timed beside it in the side-by-side figures (--demo: the "
+                         f"block, then {DEMO_FEWER_DRAFTS})")
     ap.add_argument("--no-compare", action="store_true", help="skip the side-by-side timing")
     ap.add_argument("--heldout", type=int, default=None, metavar="N", help="also time both modes on N held-out "
                     "code prompts (bench.py's code workload: one prompt's figures move far from the next's); "
@@ -256,9 +268,10 @@ def main(argv=None) -> int:
                  f"got {a.heldout}")
     if a.prefill_chunk is not None and a.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
-    if a.num_speculative_tokens is not None and (a.no_draft or a.num_speculative_tokens < 1):
-        ap.error(f"--num-speculative-tokens: expected a count >= 1 (the drafter's block size at most), and none "
-                 f"with --no-draft; got {a.num_speculative_tokens}")
+    counts = a.num_speculative_tokens or []
+    if counts and (a.no_draft or min(counts) < 1 or len(set(counts)) < len(counts)):
+        ap.error(f"--num-speculative-tokens: expected distinct counts >= 1 (the drafter's block size at most), and "
+                 f"none with --no-draft; got {' '.join(map(str, counts))}")
     try:  # the sampling flags, checked where generate checks them, before the pair loads
         jdspark.sampling.SamplingParams(a.temperature, a.top_k, a.top_p, a.min_p)
     except ValueError as e:
@@ -271,14 +284,18 @@ def main(argv=None) -> int:
         drafter = None
     else:
         drafter = jdspark.drafter.apply_context_window(drafter, a.drafter_window)
-        if (a.num_speculative_tokens or 0) > drafter.config.block_size:
-            ap.error(f"--num-speculative-tokens: expected at most the drafter's block size "
-                     f"({drafter.config.block_size}), got {a.num_speculative_tokens}")
+        G = drafter.config.block_size
+        if max(counts, default=0) > G:
+            ap.error(f"--num-speculative-tokens: expected at most the drafter's block size ({G}), got "
+                     f"{' '.join(map(str, counts))}")
+        if not counts and a.demo:  # the demo shows what fewer drafts a step buy on this CPU, beside the block
+            counts = [G] + ([DEMO_FEWER_DRAFTS] if DEMO_FEWER_DRAFTS < G else [])
+    n_drafts, *also = counts or [None]
     tokenizer = load_tokenizer(a.checkpoint, target.config)
     ids = encode(prompt, tokenizer)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
               seed=a.seed, prefill_chunk=a.prefill_chunk, grammar=constraint(ap, a, tokenizer, target.config),
-              num_speculative_tokens=a.num_speculative_tokens)
+              num_speculative_tokens=n_drafts)
     healed = tokenizer.heal(ids) if a.token_healing and kw["grammar"] is None and not a.image else None
     if healed is not None:  # not with a constraint (it takes the text from the prompt's end) or images
         ids, kw["first_token_ids"] = np.asarray(healed.ids, np.int32), healed.first_ids
@@ -292,17 +309,18 @@ def main(argv=None) -> int:
     result = {"mode": "ar" if drafter is None else "dspark", "new_tokens": streamed.num_tokens,
               "stats": streamed.stats.as_dict(), "token_healing": None if healed is None else healed.text}
     if drafter is not None:
-        result["num_speculative_tokens"] = a.num_speculative_tokens or drafter.config.block_size
+        result["num_speculative_tokens"] = n_drafts or drafter.config.block_size
     if not a.no_compare:
-        runs = side_by_side(target, drafter, [(ids, kw)], a.repeats)
+        runs = side_by_side(target, drafter, [(ids, kw)], a.repeats, also)
         result["ar_tok_s"] = runs["ar_tok_s"]
         if drafter is not None:
             result.update({k: runs[k] for k in ("spec_tok_s", "speedup", "accept_len", "per_position_accept")})
+            result.update({k: runs[k] for k in ("also",) if k in runs})
         if a.heldout:
             held = heldout_code_prompts(tokenizer, a.heldout)
             hkw = {k: v for k, v in kw.items() if k not in ("grammar", "first_token_ids")}
             runs = side_by_side(target, drafter, [(p, dict(hkw, seed=a.seed + i)) for i, p in enumerate(held)],
-                                a.repeats)
+                                a.repeats, also)
             result["heldout_code"] = {"prompts": len(held), "prompt_len": HELDOUT_PROMPT_LEN,
                                       "new_tokens": a.max_new_tokens, **runs}
     how = "greedy" if a.temperature == 0 else (f"sampled: temperature {a.temperature}, top-k {a.top_k or 'off'}, "
@@ -321,12 +339,17 @@ def main(argv=None) -> int:
         lines.append(f"DSpark {result['spec_tok_s']:.1f} tok/s  ->  speedup {result['speedup']:.2f}x "
                      f"(measured side by side, compile excluded, "
                      f"the prompt's prefill included)")
+    for n, f in result.get("also", {}).items():
+        lines.append(f"DSpark, {n} drafts a step: {f['spec_tok_s']:.1f} tok/s -> speedup {f['speedup']:.2f}x, "
+                     f"accept_len {f['accept_len']:.2f}")
     h = result.get("heldout_code")
     if h is not None:  # one prompt's figures move far: the same on held-out code (bench.py's code workload)
         ratio = "" if "speedup" not in h else (f", DSpark {h['spec_tok_s']:.1f} tok/s -> speedup {h['speedup']:.2f}x, "
                                               f"accept_len {h['accept_len']:.2f}")
         lines.append(f"held-out code ({h['prompts']} stdlib prompts of {h['prompt_len']} tokens cut at line starts, "
                      f"not healed; {h['new_tokens']} new tokens each): plain {h['ar_tok_s']:.1f} tok/s{ratio}")
+        lines += [f"held-out code, DSpark with {n} drafts a step: {f['spec_tok_s']:.1f} tok/s -> speedup "
+                  f"{f['speedup']:.2f}x, accept_len {f['accept_len']:.2f}" for n, f in h.get("also", {}).items()]
     print("\n".join("[jdspark] " + ln for ln in lines), file=sys.stderr)
     if a.json:
         print(json.dumps(result, separators=(",", ":")))

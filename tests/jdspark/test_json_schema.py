@@ -387,7 +387,8 @@ def test_generate_script_prints_a_healed_token_once(capsys):
                                              ("--heldout", "-1", "--heldout: expected a count >= 0"),
                                              ("--heldout", "2 --no-compare", "0 with --no-compare"),
                                              ("--heldout", "2 --regex a+", "0 with --no-compare, --json-schema"),
-                                             ("--num-speculative-tokens", "0", "expected a count >= 1"),
+                                             ("--num-speculative-tokens", "0", "expected distinct counts >= 1"),
+                                             ("--num-speculative-tokens", "3 3", "expected distinct counts >= 1"),
                                              ("--num-speculative-tokens", "2 --no-draft", "none with --no-draft")])
 def test_generate_script_names_a_bad_flag(tmp_path, capsys, flag, value, said):
     """A usage error naming the flag, before the pair loads (the folder given is not there: a later error)."""

@@ -329,4 +329,12 @@ def test_generate_script_side_by_side_pools_its_prompts(tiny_cfg):
     np.testing.assert_allclose(got["per_position_accept"], counts / steps)
     assert got["spec_tok_s"] > 0 and got["ar_tok_s"] > 0
     assert got["speedup"] == pytest.approx(got["spec_tok_s"] / got["ar_tok_s"])
-    assert set(gen.side_by_side(target, None, runs[:1], repeats=1)) == {"ar_tok_s"}
+    assert set(gen.side_by_side(target, None, runs[:1], repeats=1, also=(1,))) == {"ar_tok_s"}
+    # another draft count timed beside it (--num-speculative-tokens N M): pooled over its own generations' steps
+    both = gen.side_by_side(target, drafter, runs, repeats=1, also=(1,))
+    one = both["also"]["1"]
+    stats = [generation.generate(target, drafter, p, num_speculative_tokens=1, **kw).stats for p, kw in runs]
+    steps, accepted = sum(int(st.target_steps) for st in stats), sum(int(st.accepted) for st in stats)
+    assert one["accept_len"] == pytest.approx((accepted + steps) / steps) and 1.0 < one["accept_len"] <= 2.0
+    assert both["accept_len"] == pytest.approx(got["accept_len"])  # the block's figures as without it
+    assert one["speedup"] == pytest.approx(one["spec_tok_s"] / both["ar_tok_s"])
