@@ -9,7 +9,11 @@ those steps against each cost table (ms per step by verify width; by default the
 at batch 1, and the ones given with ``--cost-ms``): ``plain`` (W = 1), ``fixed`` (the whole block), ``oracle``
 (the best width for each step knowing its outcome: an upper bound), ``adaptive`` (``jdspark.adaptive``'s tracker
 and ``next_width`` as the server runs them: the width from the previous block's calibrated curve, and the
-cheapest drafting width after a run of ``adaptive.probe_interval`` plain steps), and ``adaptive_no_refresh``. A step
+cheapest drafting width after a run of ``adaptive.probe_interval`` plain steps), ``adaptive_no_refresh``,
+``fixed:W`` (every step at width W: the server's ``--num-speculative-tokens W - 1``) and ``early_stop:t`` (DSpark's
+within-block rule: the smallest compiled width holding the drafts whose own block's survival stays >= t; lossless,
+slot k's confidence reads tokens < k only; priced at the table's width W although it needs the whole block's
+confidences first, which a narrow step does not draft: an upper bound on what building it would give). A step
 verified at width W commits 1 + min(accepted, W - 1) tokens (exact under greedy for that block); the replay keeps
 the recorded block boundaries (a narrower step would move the next block's start: an approximation). What it is
 for: choosing the tracker's settings from this pair's real acceptance without a load test per setting.
@@ -75,6 +79,11 @@ def replay(runs, table_ms: dict, policy: str, G: int, refresh_budget: float = No
                 W = widths[-1]
             elif policy == "oracle":
                 W = max(widths, key=lambda w: (1 + min(acc, w - 1)) / costs[(1, w)])
+            elif policy.startswith("fixed:"):
+                W = int(policy[6:])
+            elif policy.startswith("early_stop:"):
+                n = int(np.cumprod(np.asarray(surv) >= float(policy[11:])).sum())
+                W = min(w for w in widths if w >= min(n + 1, widths[-1]))
             else:
                 W = next_width(tr, [0], np.array([G]), 1, widths, costs)
             tokens += 1 + min(acc, W - 1)
@@ -124,7 +133,8 @@ def main(argv=None) -> int:
     accept_len = float(np.mean([acc + 1 for r in runs for acc, _ in r]))
     rows = []
     for name, table in [("warm_up", measured)] + [(f"given_{i}", t) for i, t in enumerate(a.cost_ms)]:
-        res = {p: replay(runs, table, p, G) for p in ("plain", "fixed", "oracle", "adaptive")}
+        res = {p: replay(runs, table, p, G) for p in ("plain", "fixed", "oracle", "adaptive", "fixed:2", "fixed:4",
+                                                       "early_stop:0.3", "early_stop:0.4", "early_stop:0.5")}
         res["adaptive_no_refresh"] = replay(runs, table, "adaptive", G, refresh_budget=0.0)
         best = max(res["plain"], res["fixed"])
         rows.append({"table": name, "cost_ms": {str(w): ms for w, ms in sorted(table.items())}, "tok_s": res,
