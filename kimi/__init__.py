@@ -15,7 +15,8 @@ from kimi.cache import KimiCache  # noqa: E402
 from kimi.model import KimiForCausalLM, ModelOut  # noqa: E402
 
 __all__ += ["KimiCache", "KimiForCausalLM", "ModelOut"]
-from kimi.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from kimi.checkpoint import load_checkpoint  # noqa: E402
+from kimi.checkpoint_save import save_checkpoint  # noqa: E402
 
 __all__ += ["load_checkpoint", "save_checkpoint"]
 from kimi.tokenizer import Tokenizer, load_tokenizer  # noqa: E402

@@ -8,7 +8,7 @@
 What it does
   * the model: ``demo()`` (or ``--preset tiny``) with routed experts held DENSE in fp32 while training
     (``expert_format="dense"``); ``--export`` quantises them to MXFP4 (kimi.mxfp4.quantize) into an
-    ``expert_format="mxfp4"`` copy and writes it with ``kimi.checkpoint.save_checkpoint``.
+    ``expert_format="mxfp4"`` copy and writes it with ``kimi.checkpoint_save.save_checkpoint``.
   * data: jdspark.data's packed iterator over the stdlib (or ``--corpus DIR``), a pure function of (seed, step);
     validation loss on the held-out files every ``--val-every`` steps and at the end.
   * loss: next-token cross-entropy over each packed row, every row run from a fresh KDA/MLA cache
@@ -54,7 +54,7 @@ from jdspark.train import OptConfig, make_optimizer, restore_state, save_state
 from jdspark.train import ckpt_manager as _ckpt_manager
 from kimi import mxfp4
 from kimi.cache import KimiCache
-from kimi.checkpoint import save_checkpoint
+from kimi.checkpoint_save import save_checkpoint
 from kimi.config import KimiConfig
 from kimi.model import KimiForCausalLM
 from kimi.tokenizer import load_tokenizer
@@ -215,7 +215,7 @@ def to_mxfp4(model: KimiForCausalLM, param_dtype: Optional[str] = None) -> KimiF
 
 def export_mxfp4(model: KimiForCausalLM, out_dir, param_dtype: Optional[str] = None):
     """Write ``model`` as an HF-style checkpoint (config.json + safetensors) with MXFP4 experts, through
-    kimi.checkpoint.save_checkpoint. Returns the quantised model."""
+    kimi.checkpoint_save.save_checkpoint. Returns the quantised model."""
     q = to_mxfp4(model, param_dtype)
     save_checkpoint(q, os.fspath(out_dir))
     return q

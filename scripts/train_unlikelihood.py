@@ -46,7 +46,7 @@ from jdspark.evaluate import bits_per_byte
 from jdspark.train import OptConfig, ckpt_manager, make_optimizer
 from jdspark.unlikelihood import repeated_ngram_mask, unlikelihood_loss
 from kimi.cache import KimiCache
-from kimi.checkpoint import save_checkpoint
+from kimi.checkpoint_save import save_checkpoint
 
 _DATA_ARGS = ("batch", "seq_len", "seed", "prefix_len", "continuation", "ngram")
 SHARD_BYTES = 12 * 2 ** 20  # no committed file over 20 MB (checkpoints/default/README.md)
