@@ -25,6 +25,8 @@ costs this server, measured at start-up and by the steps it serves), per batch b
     speedup(W)  = expected(W) / break_even                  against plain decoding at the same batch (the cost
                                                             model of ``jdspark.costmodel`` with this server's own
                                                             figures; > 1: speculation pays there)
+    best_width  = the W of the highest speedup(W) > 1, else 1 (plain): a fixed-width server's
+                  ``--num-speculative-tokens`` (best_width - 1) for traffic at that batch
 
 At a fixed verify width (``--spec fixed``) every step verifies every draft and both per-position figures are the
 same. Under adaptive verification the scheduler verifies a late draft only when its confidence is high, so a_k of
@@ -136,7 +138,9 @@ def _buys(m: dict, rates: list) -> list:
             expected = 1 + sum(rates[:w - 1])
             widths[str(w)] = {"ms": table[(batch, w)] * 1e3, "break_even": even, "expected": expected,
                               "speedup": expected / even}
-        rows.append({"batch": batch, "plain_ms": plain * 1e3, "widths": widths})
+        best = max(widths, key=lambda w: widths[w]["speedup"], default=None)
+        rows.append({"batch": batch, "plain_ms": plain * 1e3, "widths": widths,
+                     "best_width": int(best) if best is not None and widths[best]["speedup"] > 1 else 1})
     return rows
 
 
@@ -177,7 +181,10 @@ def main(argv=None) -> int:
     for row in res["what_it_buys"]:
         pays = ", ".join(f"W={w}: {x['speedup']:.2f}x (break-even {x['break_even']:.2f})"
                          for w, x in row["widths"].items())
-        print(f"[spec_metrics] batch {row['batch']:2d}: plain step {row['plain_ms']:.2f} ms; {pays}", file=sys.stderr)
+        w = row["best_width"]
+        best = "plain decoding" if w == 1 else f"W={w} (--num-speculative-tokens {w - 1})"
+        print(f"[spec_metrics] batch {row['batch']:2d}: plain step {row['plain_ms']:.2f} ms; {pays}; best {best}",
+              file=sys.stderr)
     if a.json:
         print(json.dumps(res, separators=(",", ":")))
     return 0

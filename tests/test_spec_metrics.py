@@ -40,6 +40,7 @@ def test_spec_metrics_reads_what_was_served():
             assert row["plain_ms"] == pytest.approx(costs[(row["batch"], 1)] * 1e3)
             assert w5["break_even"] == pytest.approx(even) and w5["expected"] == pytest.approx(3.0)
             assert w5["speedup"] == pytest.approx(3.0 / even)
+            assert row["best_width"] == (5 if 3.0 / even > 1 else 1)  # the only drafting width, where it pays
         assert [row["batch"] for row in r["what_it_buys"]] == [1, 2]
         out = io.StringIO()  # (not capsys: the server's threads log to the stream they found at start)
         with contextlib.redirect_stdout(out):
@@ -77,3 +78,18 @@ def test_acceptance_when_verified_counts_only_the_steps_that_verified_each_draft
     assert spec_metrics.report(m.exposition().decode(), m.exposition().decode(), 1.0)["drafts"] == 0
     with pytest.raises(ValueError, match="the server restarted during the window"):
         spec_metrics.report(m.exposition().decode(), before, 1.0)
+
+
+def test_the_best_width_is_the_one_this_traffic_gains_most_at_or_plain():
+    """``best_width`` per batch bucket: the width of the highest speedup(W) = expected(W) / break_even above 1, else
+    1 (plain decoding), from a hand-made cost table (seconds by batch and width) and acceptance when verified."""
+    def cost(b, w, s):
+        return ("jdspark:step_cost_seconds", (("batch", str(b)), ("width", str(w)))), s
+
+    m = dict([cost(1, 1, 1.0), cost(1, 2, 1.2), cost(1, 4, 1.5), cost(1, 8, 2.5),
+              cost(16, 1, 1.0), cost(16, 2, 2.2), cost(16, 4, 3.0), cost(16, 8, 5.0)])
+    rates = [0.8, 0.6, 0.4, 0.2, 0.1, 0.05, 0.02]
+    rows = {row["batch"]: row for row in spec_metrics._buys(m, rates)}
+    # batch 1: W 2 1.8 / 1.2 = 1.5x, W 4 2.8 / 1.5 = 1.87x, W 8 3.17 / 2.5 = 1.27x; batch 16: all below 1
+    assert rows[1]["widths"]["4"]["speedup"] == pytest.approx(2.8 / 1.5) and rows[1]["best_width"] == 4
+    assert max(x["speedup"] for x in rows[16]["widths"].values()) < 1 and rows[16]["best_width"] == 1
