@@ -58,7 +58,7 @@ from jdspark.drafter import CHECKPOINT_WINDOW, apply_context_window, parse_conte
 from jdspark.drafter import with_serving_layout as drafter_serving  # noqa: E402
 from jdspark.evaluate import accept_len_interval, bits_per_byte  # noqa: E402
 from jdspark.sampling import SamplingParams  # noqa: E402
-from jdspark.speculative import draft_block  # noqa: E402
+from jdspark.speculative import draft_block, verify_width  # noqa: E402
 from kimi.model import with_serving_layout  # noqa: E402
 
 
@@ -353,9 +353,13 @@ def main(argv=None) -> int:
     drafter = apply_context_window(drafter, a.drafter_window)
     G = drafter.config.block_size
     n_drafts, *also = a.num_speculative_tokens or [G]
-    if not all(1 <= n <= G for n in (n_drafts, *also)) or len({n_drafts, *also}) < 1 + len(also):
-        ap.error(f"--num-speculative-tokens: expected distinct counts in 1..{G} (the drafter's block size), "
-                 f"got {' '.join(map(str, a.num_speculative_tokens))}")
+    if len({n_drafts, *also}) < 1 + len(also):
+        ap.error(f"--num-speculative-tokens: expected distinct counts, got {' '.join(map(str, (n_drafts, *also)))}")
+    try:  # the range: where generate and the server check it (speculative.verify_width)
+        for n in (n_drafts, *also):
+            verify_width(drafter, n)
+    except ValueError as e:
+        ap.error(f"--{str(e).replace('_', '-')}")
     tokenizer = gen.load_tokenizer(ckpt, target.config)
     if a.prompt_file:
         try:

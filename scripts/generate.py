@@ -285,9 +285,11 @@ def main(argv=None) -> int:
     else:
         drafter = jdspark.drafter.apply_context_window(drafter, a.drafter_window)
         G = drafter.config.block_size
-        if max(counts, default=0) > G:
-            ap.error(f"--num-speculative-tokens: expected at most the drafter's block size ({G}), got "
-                     f"{' '.join(map(str, counts))}")
+        try:  # the range: where generate and the server check it
+            for n in counts:
+                jdspark.speculative.verify_width(drafter, n)
+        except ValueError as e:
+            ap.error(f"--{str(e).replace('_', '-')}")
         if not counts and a.demo:  # the demo shows what fewer drafts a step buy on this CPU, beside the block
             counts = [G] + ([DEMO_FEWER_DRAFTS] if DEMO_FEWER_DRAFTS < G else [])
     n_drafts, *also = counts or [None]
