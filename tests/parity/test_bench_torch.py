@@ -1,0 +1,51 @@
+"""scripts/bench_torch.py on a tiny random transformers KimiLinear checkpoint: one JSON line with both sides'
+figures per mode, and ``jdspark.generate``'s greedy tokens (one device program) equal to transformers'
+``generate(do_sample=False)`` token for token (scripts/parity.py compares kimi's own prefill + decode loop)."""
+import json
+import os
+import sys
+
+import pytest
+import torch  # noqa: F401  (a missing parity dependency fails the run: tests/conftest.py)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import bench_torch  # noqa: E402
+import parity  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_json_line_compares_both_sides_and_greedy_tokens_match(tmp_path, capsys):
+    ckpt = parity.build_tiny_hf_checkpoint(tmp_path / "tiny", seed=2, q_lora_rank=16)
+    assert bench_torch.main(["--checkpoint", str(ckpt), "--prompt-len", "12", "--new-tokens", "6", "--rounds", "1",
+                             "--threads", "1", "--json"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1
+    r = json.loads(lines[0])
+    assert (r["prompt_len"], r["new_tokens"], r["torch_threads"]) == (12, 6, 1)
+    assert r["torch_compile"] is False
+    for mode in ("greedy", "sampled"):
+        row = r[mode]
+        for side in ("transformers", "jdspark"):
+            assert row[side]["tokens"] == 6  # EOS off: every asked token, on both sides
+            assert min(row[side][k] for k in ("prefill_ms", "decode_tok_s", "tok_s", "first_calls_s")) > 0
+        ratio = row["jdspark_over_transformers"]
+        assert ratio["tok_s"] == pytest.approx(row["jdspark"]["tok_s"] / row["transformers"]["tok_s"], rel=0.05)
+    assert r["greedy"]["greedy_match"] is True and r["greedy"]["greedy_first_mismatch"] is None
+    assert "greedy_match" not in r["sampled"]
+
+
+@pytest.mark.parametrize("flags, message", [(["--new-tokens", "1"], "--new-tokens: expected >= 2"),
+                                            (["--modes", "beam"], "--modes"),
+                                            (["--checkpoint", "/nonexistent/dir"], "not a directory")])
+def test_bad_flags_are_named(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_torch.main(flags)
+    assert message in capsys.readouterr().err
