@@ -523,12 +523,22 @@ def accept_greedy(drafts_G, target_logits_G1V, n_verify):
     return n_acc, target_G1[n_acc]
 
 
+def bonus_key(key):
+    """The key ``accept_rejection(key, ...)`` draws its residual or bonus token with. A plain decode step draws its
+    token with it too (``speculative.plain_step``), so a request that verifies no drafts (n_verify 0: its draft cap
+    0, or a narrow step) draws the same token from the same logits whichever kind of step a batch ran."""
+    return rng.split(key)[1]
+
+
 def accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: SamplingParams):
     """Speculative sampling (Leviathan et al.; Chen et al.): accept draft i with probability min(1, p_i/q_i); at
     the first rejection j resample from norm(max(p_j - q_j, 0)); if all verified drafts pass, the bonus comes
-    from p at the next position. Drafts past n_verify count as not drafted. Returns (n_accepted, next_token)."""
+    from p at the next position. Drafts past n_verify count as not drafted. Returns (n_accepted, next_token).
+
+    The bonus is drawn from p's log-weights themselves (not the log of their exponentials) with ``bonus_key(key)``:
+    with n_verify 0 this is ``sample(bonus_key(key), logits[0], sp)``, a plain step's draw."""
     G = drafts_G.shape[0]
-    k_u, k_res = rng.split(key)
+    k_u, k_res = rng.split(key)[0], bonus_key(key)
     logp_G1V = process_logits(target_logits_G1V, sp)
     p_G1V = jnp.exp(logp_G1V)
     q_GV = jnp.exp(logq_GV)
@@ -539,10 +549,9 @@ def accept_rejection(key, drafts_G, logq_GV, target_logits_G1V, n_verify, sp: Sa
     n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32))).astype(jnp.int32)
     rejected = n_acc < jnp.minimum(n_verify, G)
     q_pad = jnp.concatenate([q_GV, jnp.zeros_like(q_GV[:1])], axis=0)
-    resid = jnp.maximum(p_G1V[n_acc] - jnp.where(rejected, q_pad[n_acc], 0.0), 0.0)
-    # resid sums to > 0 whenever p != q; if p == q exactly (no rejection possible) fall back to p
-    resid = jnp.where(resid.sum() > 0, resid, p_G1V[n_acc])
-    nxt = draw(k_res, jnp.log(resid))
+    resid = jnp.maximum(p_G1V[n_acc] - q_pad[n_acc], 0.0)
+    # resid sums to > 0 whenever p != q; if p == q exactly (no rejection possible) draw from p
+    nxt = draw(k_res, jnp.where(rejected & (resid.sum() > 0), jnp.log(resid), logp_G1V[n_acc]))
     return n_acc, nxt
 
 

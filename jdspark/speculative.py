@@ -32,6 +32,7 @@ from jdspark.sampling import (
     Penalties,
     SamplingParams,
     accept,
+    bonus_key,
     propose,
     sample,
     unless_greedy,
@@ -273,6 +274,14 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     return new, first
 
 
+def step_keys(key) -> tuple:
+    """(the stream's next key, the drafts' key, the acceptance key) of one step. Plain and speculative steps split
+    a stream's key alike and a plain step draws its token with the acceptance rule's bonus key
+    (``sampling.bonus_key``), so a seeded request that verifies no drafts (``speculative: false`` among drafting
+    rows, an adaptive row's narrow step) draws the same tokens whether its batch ran a plain step or a verify."""
+    return rng.split(key, 3)
+
+
 def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: Optional[int] = None,
                want_logprobs=None, penalties: Optional[Penalties] = None):
     """One target decode of the anchor: (Stream, StepOut) with one new token.
@@ -285,13 +294,13 @@ def plain_step(target, st: Stream, sp: SamplingParams, drafter=None, logprobs: O
     ``logprobs`` (static; None: not computed): the new token's ``TokenLogprobs`` with that many top entries, where
     ``want_logprobs`` (a scalar of the whole batch; None: always) says so (``jdspark.logprobs.when``).
     ``penalties``: the token is drawn from the penalised logits (``sampling.Penalties``; the stream's counts)."""
-    key, k = rng.split(st.key)
+    key, _, k_acc = step_keys(st.key)
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     with jax.named_scope("decode"):  # the phase's name in profiles (scripts/bench_profile.py)
         res = target.forward(st.anchor[:, None], st.cache, mode="decode", tap_layers=taps)
     with jax.named_scope("accept"):
         logits_1V = res.logits.reshape(1, -1)
-        nxt = sample(k, penalized(logits_1V, st, jnp.zeros((0,), jnp.int32), penalties), sp)
+        nxt = sample(bonus_key(k_acc), penalized(logits_1V, st, jnp.zeros((0,), jnp.int32), penalties), sp)
     dcache = st.dcache
     if drafter is not None:
         with jax.named_scope("append_context"):
@@ -322,7 +331,7 @@ def spec_step(target, drafter, st: Stream, sp: SamplingParams, threshold: float 
     if not 1 <= W <= G + 1:
         raise ValueError(f"width: expected 1..{G + 1}, got {W}")
     taps = tuple(drafter.config.aux_hidden_state_layer_ids)
-    key, k_draft, k_acc = rng.split(st.key, 3)
+    key, k_draft, k_acc = step_keys(st.key)
     n = st.cache.length  # [1]
     with jax.named_scope("draft"):  # scopes name the phases in profiles (HLO op_name)
         drafts_N, logq_NV, n_verify, survival = draft_block(drafter, st.dcache, st.anchor, n,

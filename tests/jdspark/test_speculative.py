@@ -276,6 +276,40 @@ def test_a_narrow_step_decodes_the_whole_block_s_first_drafts(tiny_cfg):
         block(SamplingParams(), 5)
 
 
+def test_a_step_that_verifies_no_drafts_draws_as_a_plain_step(tiny_cfg):
+    """A seeded stream whose step verifies no drafts (draft cap 0: a ``speculative: false`` request stepped among
+    drafting rows, or an adaptive row's narrow step) draws the token a plain decode step draws, with the same key
+    after it (``speculative.step_keys``, ``sampling.bonus_key``): its tokens do not depend on which kind of step its
+    batch ran. Before, the two split the key differently, and such a request's sampled text changed with its
+    neighbours."""
+    from jdspark.sampling import SamplingParams
+
+    cfg = tiny_cfg
+    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(5))
+    drafter = jdspark.DSparkDrafter(
+        jdspark.DSparkConfig.for_target(cfg, block_size=4, mask_token_id=cfg.pad_token_id), target=target,
+        rngs=nnx.Rngs(6))
+    prompt = np.random.default_rng(2).integers(3, cfg.vocab_size, size=(1, 10)).astype(np.int32)
+    plain = jax.jit(lambda st, sp: speculative.plain_step(target, st, sp, drafter=drafter))
+    capped = jax.jit(lambda st, sp, w: speculative.spec_step(target, drafter, st, sp, width=w, max_drafts=0),
+                     static_argnums=2)
+    for sp in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.5, top_k=20),
+               SamplingParams()):
+        st0, _ = speculative.prefill_stream(target, drafter, jnp.asarray(prompt), jnp.int32(10), jax.random.key(3),
+                                            sp, 48)
+        for w in (2, 5):
+            a, b, toks = st0, st0, []
+            for _ in range(12):
+                a, out_a = plain(a, sp)
+                b, out_b = capped(b, sp, w)
+                assert int(out_b.n_new) == 1 and int(out_b.drafted) == 0
+                assert int(out_a.new_K[0]) == int(out_b.new_K[0])
+                toks.append(int(out_a.new_K[0]))
+            np.testing.assert_array_equal(jax.random.key_data(a.key), jax.random.key_data(b.key))
+            if sp.temperature > 0:
+                assert len(set(toks)) > 3  # drawn, not one token repeated: a comparison that can fail
+
+
 def test_first_token_ids_mask_the_first_draw_only(tiny_cfg):
     """Token healing's mask (``first_token_ids``): the first token is the likeliest of the allowed ids under the
     model's own prefill (an independent reference: public prefill + decode), the tokens after it the plain greedy
