@@ -25,7 +25,9 @@ a near-tie of two logits, as in ``scripts/parity.py``). transformers has no DSpa
 engine), so DSpark is not a row here; ``scripts/bench.py`` compares it with jdspark's plain decoding on the shipped
 pair. The default checkpoint is built here with random weights at the shipped target's dimensions (KimiLinear's
 features only: transformers has no AttnRes, LatentMoE, SiTU or MXFP4 experts; ``scripts/parity.py``'s list), so
-timings, not text, are the point.
+timings, not text, are the point. ``--dtype bfloat16``: each side as it serves in bf16 (transformers' weights and
+activations bf16; jdspark's serving copy, bf16 matmul weights with fp32 activations and sums, as the shipped pair
+is served): the numerics differ, so ``greedy_match`` is reported, not expected.
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch's intra-op threads (default: all "
                                                                          "cores, as XLA:CPU uses)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="bfloat16: transformers' weights and activations in bf16, jdspark's bf16 serving copy")
     ap.add_argument("--torch-compile", action="store_true", help="transformers' forward through torch.compile "
                                                                    "(dynamic shapes; compiled in the first calls)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line")
@@ -155,11 +159,16 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
+    import kimi
+
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = a.checkpoint or parity.build_tiny_hf_checkpoint(os.path.join(tmp, "kimi_linear"), seed=a.seed,
                                                                initializer_range=0.02, **SHIPPED_SCALE)
         hf, ours = parity.load_pair(ckpt)
+        if a.dtype == "bfloat16":  # each as it serves in bf16 (see the module docstring)
+            hf = hf.to(torch.bfloat16)
+            ours = kimi.load_checkpoint(ckpt, dtype="float32", config_overrides={"serving_dtype": "bfloat16"})
     if a.torch_compile:
         hf.forward = torch.compile(hf.forward, dynamic=True)
     cfg = ours.config
@@ -167,7 +176,7 @@ def main(argv=None) -> int:
     result = {"checkpoint": a.checkpoint or "random KimiLinear at the shipped target's scale",
               "parameters": int(sum(p.numel() for p in hf.parameters())), "prompt_len": a.prompt_len,
               "new_tokens": a.new_tokens, "rounds": a.rounds, "torch_threads": torch.get_num_threads(),
-              "torch_compile": a.torch_compile,
+              "torch_compile": a.torch_compile, "dtype": a.dtype,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
     result.update(compare(hf, ours, prompt, a.new_tokens, a.rounds, modes, a.seed))
     if a.json:
