@@ -1,10 +1,12 @@
 """The serving engine on a tiny built pair, batched: 20 requests of different prompt lengths, completion lengths,
 sampling settings, speculation modes (off, fixed, adaptive) and arrival times, served 4 slots at a time through
 the Engine's host loop and the SlotBackend, each equal token for token to its own batch-1 ``jdspark.generate``:
-greedy ones in every mode, and sampled ones that verify whole blocks (the same seed drives the same draws). A
-sampled request verified at another width, or with speculation off (its token drawn from p inside the verify
-block), draws with other keys than generate's loop: the same law (tests/jdspark/test_sampling_law.py), other
-tokens. Speculating requests accept partially (1 < accept_len < G + 1); the adaptive steps use several widths."""
+greedy ones in every mode, sampled ones that verify whole blocks (the same seed drives the same draws), and sampled
+ones with speculation off equal to batch-1 plain decoding with their seed, though their batches verified other
+rows' drafts (a step that verifies no drafts draws as a plain step: ``speculative.step_keys``). A sampled request
+verified at another width draws with other keys than generate's loop: the same law
+(tests/jdspark/test_sampling_law.py), other tokens. Speculating requests accept partially (1 < accept_len < G + 1);
+the adaptive steps use several widths."""
 
 import itertools
 import os
@@ -106,6 +108,11 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
         u = r.usage()
         if sp.temperature == 0 or (sp.speculative and sp.spec_mode == "fixed"):
             assert r.output_ids == list(ref.tokens[:sp.max_tokens]), (sp, r.output_ids, ref.tokens)
+        elif not sp.speculative:  # sampled, speculation off, stepped among drafting rows (verifies at cap 0 and
+            # plain steps alike): batch-1 plain decoding's draws with the same seed (speculative.step_keys)
+            plain = jdspark.generate(target, None, np.array(sp.prompt_ids), max_new_tokens=sp.max_tokens,
+                                     seed=sp.seed, temperature=sp.temperature, top_p=sp.top_p)
+            assert r.output_ids == list(plain.tokens), (sp, r.output_ids, plain.tokens)
         if sp.speculative:
             spec_lens.append(u["accept_len"])
         else:
