@@ -8,6 +8,7 @@
   python scripts/bench_serve.py --launch --json --request-fields '{"response_format": {"type": "json_object"},
       "ignore_eos": false}'                                             # constrained output's acceptance under load
   python scripts/bench_serve.py --launch --json --turns 4                # conversations (prefix caching's traffic)
+  python scripts/bench_serve.py --url http://127.0.0.1:8000 --openai-compatible --json   # another OpenAI server
 
 Each cell runs ``--requests`` streamed completions of the prompts (held-out code by default; ``load_prompts``; the
 JSON's ``prompts`` says which) as token ids (``ignore_eos``, a fixed ``--max-tokens``, fixed seeds) from
@@ -39,6 +40,10 @@ refused. A line's ``ignore_eos`` and ``top_p`` win over the cell's (constrained 
 ``"ignore_eos": false``; its completions then vary in length: tokens are counted from ``usage``, and a cell reports
 its ``completion_tokens``). Every distinct request body is sent once before the first cell, so a body the server
 refuses stops the run there, naming it.
+``--openai-compatible`` (with ``--url``): the same load against any OpenAI-compatible server (``transformers
+serve``, vLLM, ...), to compare servers on one machine: prompts sent as text, OpenAI's fields only (its completions
+end at its EOS, counted from ``usage``), the cells' mode ``server``, accept_len from its ``/metrics`` where it has
+vLLM's counters (else null).
 """
 
 from __future__ import annotations
@@ -157,6 +162,7 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
         per = (r["tokens"] - 1) / max(n_chunks - 1, 1)
         itl += [g / per for g in np.diff(r["chunks"])] if n_chunks > 1 and per > 0 else []
     drafts = d["vllm:spec_decode_num_drafts_total"]
+    counted = "vllm:generation_tokens_total" in metrics_after  # a server with vLLM's counters (else no /metrics)
     vcount = d["jdspark:verified_tokens_per_step_count"]
     turns = {}
     if messages is not None:
@@ -171,7 +177,8 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
             "output_tok_s": tokens / wall,
             "per_user_tok_s": float(np.mean([r["tokens"] / r["e2e"] for r in res])),
             "ttft_ms": _stats_ms(ttft), "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms(itl),
-            "accept_len": 1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0,
+            "accept_len": (1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0)
+            if counted else None,
             "verified_per_slot_step": d["jdspark:verified_tokens_per_step_sum"] / vcount if vcount else None,
             "step_cost_ms": scrape_costs(metrics_after, concurrency), "wall_s": wall}
 
@@ -262,15 +269,32 @@ def load_prompts(checkpoint: str, n: int, prompt_len: int, workload: str = "code
                      "prompt_len": prompt_len}, [{} for _ in prompts]
 
 
-def load_encoder(checkpoint: str):
-    """text -> token ids (no BOS) by the checkpoint's tokenizer: a conversation's answer, sent back in its next
-    turn's prompt."""
+def load_tokenizer(checkpoint: str):
+    """The checkpoint's tokenizer (``kimi.tokenizer``), as the server loads it."""
     import generate as gen
 
     import kimi
 
-    tok = gen.load_tokenizer(checkpoint, kimi.KimiConfig.from_hf_config(os.path.join(checkpoint, "target")))
+    return gen.load_tokenizer(checkpoint, kimi.KimiConfig.from_hf_config(os.path.join(checkpoint, "target")))
+
+
+def load_encoder(checkpoint: str):
+    """text -> token ids (no BOS) by the checkpoint's tokenizer: a conversation's answer, sent back in its next
+    turn's prompt."""
+    tok = load_tokenizer(checkpoint)
     return lambda text: tok.encode(text, bos=False)
+
+
+def first_model(url: str, api_key=None) -> str:
+    """The first model id a server's ``GET /v1/models`` lists (the name an OpenAI request must carry)."""
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=30,
+                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+    models = (r.json().get("data") or []) if r.status_code == 200 else []
+    if not models:
+        raise SystemExit(f"bench_serve: {url}/v1/models lists no model ({r.status_code}): pass --model NAME")
+    return models[0]["id"]
 
 
 def launch_args(prompt_len: int, max_tokens: int, turns: int = 1, message_len: int = 0) -> list:
@@ -300,6 +324,12 @@ def main(argv=None) -> int:
     where.add_argument("--url", help="a running server (loopback or your own host)")
     where.add_argument("--in-process", action="store_true",
                        help="the engine --launch would serve, in this process without HTTP (what HTTP costs)")
+    ap.add_argument("--openai-compatible", action="store_true",
+                    help="with --url: any OpenAI-compatible server (transformers serve, vLLM, ...): prompts sent as "
+                         "text (the --checkpoint's tokenizer decodes them), OpenAI's fields only (no ignore_eos, "
+                         "no speculation fields), one mode, 'server' (the server decides how it decodes)")
+    ap.add_argument("--model", default=None, help="the model name a --openai-compatible request carries (default: "
+                                                  "the first of the server's /v1/models)")
     ap.add_argument("--api-key", default=os.environ.get("JDSPARK_API_KEY") or None,
                     help="sent as 'Authorization: Bearer KEY' (a server started with --api-key; default: "
                          "$JDSPARK_API_KEY, which a --launch server reads too)")
@@ -348,6 +378,14 @@ def main(argv=None) -> int:
     modes = a.modes.split(",")
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: each of {MODES}")
+    if a.openai_compatible:
+        if a.url is None:
+            ap.error("--openai-compatible: only with --url (--launch and --in-process serve this project's server)")
+        if a.modes != ",".join(MODES):
+            ap.error("--modes: not with --openai-compatible (the server decides how it decodes: one mode, 'server')")
+        modes = ["server"]
+    elif a.model is not None:
+        ap.error("--model: only with --openai-compatible")
     try:
         conc = [int(c) for c in a.concurrency.split(",")]
         temps = [float(t) for t in a.temperatures.split(",")]
@@ -394,6 +432,10 @@ def main(argv=None) -> int:
     elif a.in_process:
         client = EngineClient.from_server_args(["--checkpoint", a.checkpoint, "--slots", str(a.slots), *sized,
                                                 *server_args])
+    elif a.openai_compatible:
+        tok = load_tokenizer(a.checkpoint)
+        client = HttpClient(a.url, api_key=a.api_key, decode=lambda ids: tok.decode(ids, skip_special=True),
+                            model=a.model or first_model(a.url, a.api_key))
     else:
         client = HttpClient(a.url, api_key=a.api_key)
     cells = []
@@ -418,7 +460,7 @@ def main(argv=None) -> int:
                         rounds[mode].append(cell)
                         print(f"[bench_serve] {mode:8s} T={temp:g} c={c:2d} round {r}: {cell['output_tok_s']:7.1f} "
                               f"tok/s total, {cell['per_user_tok_s']:6.1f} per user, accept_len "
-                              f"{cell['accept_len']:.2f}, verified/slot/step {cell['verified_per_slot_step']}, "
+                              f"{cell['accept_len']}, verified/slot/step {cell['verified_per_slot_step']}, "
                               f"step ms by width {cell['step_cost_ms']}"
                               + (f", TTFT p50 by turn {cell['ttft_ms_p50_by_turn']}, cached share "
                                  f"{cell['cached_share']:.2f}" if messages is not None else ""),

@@ -60,10 +60,15 @@ class HttpClient:
     new ``httpx`` client per request built an SSL context each time: ~22 ms of this CPU's time added to every
     request's TTFT, on the cores the server runs on)."""
 
-    def __init__(self, url: str, max_connections: int = 64, api_key: Optional[str] = None):
+    def __init__(self, url: str, max_connections: int = 64, api_key: Optional[str] = None, decode=None,
+                 model: Optional[str] = None):
+        """``decode`` (token ids -> text; None: this project's server): the server speaks only OpenAI's API (any
+        OpenAI-compatible one: ``transformers serve``, vLLM, ...), so a request carries its prompt as text, names
+        ``model`` and sends none of vLLM's or this server's own fields (``ignore_eos``, ``speculative``,
+        ``spec_mode``): completions end at the server's EOS, and are counted from ``usage``."""
         import httpx
 
-        self.url = url
+        self.url, self.decode, self.model = url, decode, model
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=max_connections,
                                                                    max_keepalive_connections=max_connections),
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
@@ -81,6 +86,14 @@ class HttpClient:
                 "stream_options": {"include_usage": True}, "speculative": mode != "off", **fields}
         if mode != "off":
             body["spec_mode"] = mode
+        if self.decode is not None:  # OpenAI's fields only (the constructor's docstring)
+            for k in ("ignore_eos", "speculative", "spec_mode"):
+                if k not in fields:
+                    body.pop(k, None)
+            if not chat:
+                body["prompt"] = self.decode(prompt_ids)
+            if self.model is not None:
+                body.setdefault("model", self.model)
         t0 = time.perf_counter()
         chunks, usage, text, finish = [], None, [], None
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -106,7 +119,9 @@ class HttpClient:
                 "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0), "finish": finish}
 
     def metrics_text(self) -> str:
-        return self.http.get(self.url + "/metrics", timeout=30).text
+        """The server's ``/metrics`` text; "" where it has none (a server that is not this project's or vLLM)."""
+        r = self.http.get(self.url + "/metrics", timeout=30)
+        return r.text if r.status_code == 200 else ""
 
     def close(self) -> None:
         self.http.close()  # (the server's lifetime is its launcher's)

@@ -133,6 +133,65 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "spec_mode"
 
 
+def test_bench_serve_loads_any_openai_compatible_server(soak_srv, capsys):
+    """--openai-compatible: prompts as text, OpenAI's fields only (no ignore_eos / speculative / spec_mode), the
+    model named by the server's /v1/models, one mode ('server'); accept_len from /metrics where the server has
+    vLLM's counters, null where it has no /metrics."""
+    import contextlib
+    import io
+    import json
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench_serve
+
+    before = len(soak_srv.backend.requests)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert bench_serve.main(["--url", soak_srv.url, "--openai-compatible", "--prompts", "2", "--prompt-len", "16",
+                                 "--concurrency", "1,2", "--temperatures", "0", "--rounds", "1", "--requests", "2",
+                                 "--max-tokens", "4", "--json"]) == 0
+    r = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert [(c["mode"], c["concurrency"]) for c in r["cells"]] == [("server", 1), ("server", 2)]
+    for c in r["cells"]:
+        assert c["completion_tokens"] == 2 * 4 and c["accept_len"] is not None and c["output_tok_s"] > 0
+    assert set(r["summary"][0]) == {"temperature", "best_c2_over_best_c1"}
+    sent = soak_srv.backend.requests[before:]
+    assert len(sent) >= 4 and all(q.speculative and q.spec_mode is None for q in sent)  # the server's defaults
+    assert all(t < 256 or t == soak_srv.tok.bos_id for q in sent for t in q.prompt_ids)  # text, byte-tokenised
+    bodies = []  # the body itself, as sent
+
+    def answer(request):
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, text='data: {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}\n\n'
+                                         "data: [DONE]\n\n")
+
+    import serve_clients
+
+    client = serve_clients.HttpClient("http://server", decode=lambda ids: "text of " + str(list(ids)), model="m")
+    client.http = httpx.Client(transport=httpx.MockTransport(answer))
+    client.request([5, 6], 3, 0.0, 7, "server")
+    client.request([5, 6], 3, 0.0, 7, "server", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2})
+    assert bodies[0] == {"model": "m", "prompt": "text of [5, 6]", "max_tokens": 3, "temperature": 0.0, "top_p": 1.0,
+                         "seed": 7, "stream": True, "stream_options": {"include_usage": True}}
+    assert "prompt" not in bodies[1] and bodies[1]["top_k"] == 2 and "ignore_eos" not in bodies[1]
+
+    class NoMetrics:  # a server without /metrics: no acceptance to report
+        def request(self, *a, **k):
+            return {"chunks": [0.01, 0.02], "e2e": 0.03, "tokens": 2, "text": "ab", "cached": 0, "finish": "length"}
+
+        def metrics_text(self):
+            return ""
+
+    assert bench_serve.run_cell(NoMetrics(), [[1, 2]], "server", 1, 0.0, 2, 2)["accept_len"] is None
+    for flags, message in ((["--launch", "--openai-compatible"], "only with --url"),
+                           (["--url", soak_srv.url, "--openai-compatible", "--modes", "off"], "--modes: not with"),
+                           (["--url", soak_srv.url, "--model", "m"], "--model: only with --openai-compatible")):
+        with pytest.raises(SystemExit):
+            bench_serve.main(flags)
+        assert message in capsys.readouterr().err
+
+
 def test_bench_serve_summary_pairs_rounds():
     """Ratios between modes are medians of per-round ratios: a machine that slows by half from one round to the
     next moves both modes' cells, and the paired ratio sees none of it where a ratio of medians would."""
