@@ -4,6 +4,7 @@
     python scripts/bench_torch.py --json                       # a random KimiLinear at the shipped target's scale
     python scripts/bench_torch.py --checkpoint DIR --json      # any transformers KimiLinear checkpoint directory
     python scripts/bench_torch.py --json --new-tokens 256 --prompt-len 512 --rounds 5
+    python scripts/bench_torch.py --json --out DIR             # keep the random checkpoint (DIR/target) to serve
 
 The mission's comparison at batch 1: the same checkpoint loaded by transformers (``KimiLinearForCausalLM``, fp32,
 eager attention, its cache; on a CPU its KDA and short convolutions run transformers' PyTorch reference forms, as
@@ -56,6 +57,23 @@ SHIPPED_SCALE = dict(
     linear_attn_config={"num_heads": 6, "head_dim": 64, "short_conv_kernel_size": 4, "kda_layers": [1, 2, 3, 5],
                         "full_attn_layers": [4, 6]})
 MODES = {"greedy": (0.0, 1.0), "sampled": (1.0, 0.95)}  # (temperature, top_p)
+SHIPPED_TARGET = _ROOT / "checkpoints" / "default" / "target"
+
+
+def build_shipped_scale(out_dir, seed: int = 0) -> str:
+    """A random KimiLinear at ``SHIPPED_SCALE`` written by transformers into ``out_dir`` (``save_pretrained``), with
+    the shipped target's tokenizer files beside it and their special ids in its config: a checkpoint both
+    ``transformers serve out_dir`` and ``python -m jdspark.serve --checkpoint <its parent>`` serve as text."""
+    import shutil
+
+    import parity
+
+    special = {k: json.loads((SHIPPED_TARGET / "config.json").read_text())[k]
+               for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    out = parity.build_tiny_hf_checkpoint(out_dir, seed=seed, initializer_range=0.02, **special, **SHIPPED_SCALE)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SHIPPED_TARGET / name, os.path.join(out, name))
+    return out
 
 
 def hf_generate(hf, prompt_1T: np.ndarray, n: int, temperature: float, top_p: float, seed: int) -> list:
@@ -143,6 +161,8 @@ def main(argv=None) -> int:
                     help="bfloat16: transformers' weights and activations in bf16, jdspark's bf16 serving copy")
     ap.add_argument("--torch-compile", action="store_true", help="transformers' forward through torch.compile "
                                                                    "(dynamic shapes; compiled in the first calls)")
+    ap.add_argument("--out", metavar="DIR", help="keep the built checkpoint: DIR/target, with the shipped "
+                    "tokenizer (for `python -m jdspark.serve --checkpoint DIR` and `transformers serve DIR/target`)")
     ap.add_argument("--json", action="store_true", help="print one JSON object on one line")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
@@ -154,6 +174,10 @@ def main(argv=None) -> int:
             ap.error(f"{flag}: expected >= {low}, got {v}")
     if a.checkpoint and not os.path.isdir(a.checkpoint):
         ap.error(f"--checkpoint {a.checkpoint}: not a directory")
+    if a.checkpoint and a.out:
+        ap.error("--out: keeps the checkpoint built without --checkpoint; not with it")
+    if a.out and os.path.exists(os.path.join(a.out, "target")):
+        ap.error(f"--out {a.out}: {a.out}/target exists already (nothing is overwritten)")
 
     import parity
     import torch
@@ -163,8 +187,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = a.checkpoint or parity.build_tiny_hf_checkpoint(os.path.join(tmp, "kimi_linear"), seed=a.seed,
-                                                               initializer_range=0.02, **SHIPPED_SCALE)
+        ckpt = a.checkpoint or build_shipped_scale(os.path.join(a.out or tmp, "target"), seed=a.seed)
         hf, ours = parity.load_pair(ckpt)
         if a.dtype == "bfloat16":  # each as it serves in bf16 (see the module docstring)
             hf = hf.to(torch.bfloat16)

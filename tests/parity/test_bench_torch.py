@@ -52,3 +52,54 @@ def test_bad_flags_are_named(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench_torch.main(flags)
     assert message in capsys.readouterr().err
+
+
+def test_out_keeps_a_checkpoint_both_servers_read_as_text(tmp_path):
+    """``--out``'s checkpoint: transformers' files with the shipped tokenizer beside them and its special ids in
+    the config, so jdspark's server (``kimi.load_checkpoint``, ``kimi.load_tokenizer``) and ``transformers serve``
+    read one vocabulary."""
+    import kimi
+
+    out = bench_torch.build_shipped_scale(tmp_path / "target", seed=1)
+    model = kimi.load_checkpoint(out, dtype="float32")
+    tok = kimi.load_tokenizer(out)
+    cfg = model.config
+    assert cfg.vocab_size == 4096 and cfg.hidden_size == 384
+    assert (cfg.bos_token_id, cfg.eos_token_id) == (tok.bos_id, tok.eos_id)
+    assert tok.decode(tok.encode("def f(x):\n    return x", bos=False)) == "def f(x):\n    return x"
+
+
+def test_transformers_serve_cpu_answers_a_completion(tmp_path):
+    """scripts/transformers_serve_cpu.py starts transformers' own server on this CPU without ``accelerate`` and it
+    answers an OpenAI completion of the checkpoint (the comparison's other side, docs/performance.md)."""
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    out = bench_torch.build_shipped_scale(tmp_path / "target", seed=1)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "scripts", "transformers_serve_cpu.py"), out,
+                             "--port", str(port), "--host", "127.0.0.1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.time() + 180
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.time() < deadline, "transformers serve did not start in 180 s"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        r = httpx.post(url + "/v1/completions", json={"model": out, "prompt": "def f(x):", "max_tokens": 4,
+                                                      "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert 1 <= r.json()["usage"]["completion_tokens"] <= 4
+    finally:
+        proc.terminate()
+        proc.wait(30)
