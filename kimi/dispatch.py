@@ -15,7 +15,7 @@ path has a test against its reference.
                   MOE_ALL_OVER_BLOCKED, MOE_ALL_OVER_GATHERED (the serving copy's 'all' for many rows, mapped rows)
   serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows (mapped rows: their share)
-  prefill         prefill_chunk        one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks of PREFILL_CHUNK_TOKENS
+  prefill         prefill_chunk        one pass up to a bound, else chunks (prefill_limits: 1024 / 256 on CPU)
   MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE,
                                        absorbed on CPU (MLA_PREFILL_TILED_FORM), unabsorbed elsewhere
   MLA decode      mla_absorbed_key_tile  decode and verify on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys:
@@ -233,25 +233,32 @@ def bf16_rows(rows: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- prefill
-# Prompts up to this many tokens are prefilled in one pass: its activations (MLA's T x T scores per head above all)
-# stay small, and one pass skips the chunk loop.
-PREFILL_ONE_PASS_MAX_TOKENS = 4096
-# Longer prompts go in chunks of this many tokens (kimi/prefill.py): peak memory is the caches plus one chunk's
-# activations (MLA scores C x S per head, S the cache length), the work the same as one pass.
-PREFILL_CHUNK_TOKENS = 1024
+# (one pass up to this many prompt tokens, else chunks of this many; kimi/prefill.py) per backend. A chunk's peak
+# memory is the caches plus its activations (MLA scores C x S per head, S the cache length), the work the same as
+# one pass. On XLA:CPU the [T, T] scores of one long pass go to memory on every pass over them: chunks of 256
+# prefill the shipped pair's 2K / 4K prompts 1.4x / 1.5x faster than one pass (and 1.5x / 1.2x than chunks of
+# 1024) in a seventh / a fifteenth of one pass's memory growth; one pass still wins at 512 (docs/performance.md,
+# "Prefill chunks of 256 on a CPU"). Elsewhere (unmeasured): one pass up to 4096.
+PREFILL_LIMITS = {"cpu": (1024, 256)}
+PREFILL_LIMITS_DEFAULT = (4096, 1024)
+
+
+def prefill_limits() -> tuple:
+    """(the longest prompt prefilled in one pass, the chunk size of longer ones) on this backend."""
+    return PREFILL_LIMITS.get(jax.default_backend(), PREFILL_LIMITS_DEFAULT)
 
 
 def prefill_chunk(T: int, chunk: Optional[int] = None) -> Optional[int]:
     """The chunk size a prefill of T prompt tokens runs with (None: one pass, ``model.forward(mode="prefill")``).
 
     ``chunk``: the caller's choice (a ``--prefill-chunk`` flag): 0 forces one pass, a positive int chunks of that
-    size (one pass when the prompt fits one chunk); None: one pass up to PREFILL_ONE_PASS_MAX_TOKENS, else chunks
-    of PREFILL_CHUNK_TOKENS."""
+    size (one pass when the prompt fits one chunk); None: as ``prefill_limits()`` says for this backend."""
     if chunk is not None:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"prefill_chunk: expected None or an int >= 0, got {chunk!r}")
         return chunk if 0 < chunk < T else None
-    return PREFILL_CHUNK_TOKENS if T > PREFILL_ONE_PASS_MAX_TOKENS else None
+    one_pass, size = prefill_limits()
+    return size if T > one_pass else None
 
 
 # --------------------------------------------------------------------------------------------------- MLA prefill

@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="calls per timed round")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (the fastest counts)")
     ap.add_argument("--serving-dtype", choices=("bfloat16", "float32"), default=gen.DEFAULT_SERVING_DTYPE)
-    ap.add_argument("--prefill-chunk", type=int, default=dispatch.PREFILL_CHUNK_TOKENS,
+    ap.add_argument("--prefill-chunk", type=int, default=dispatch.prefill_limits()[1],
                     help="also time one prefill chunk of this many tokens at each length (0: do not)")
     ap.add_argument("--accept-from", action="append", default=[],
                     help="a bench_long.py JSON (repeatable): predict its windowed rows' speedup")

@@ -77,7 +77,8 @@ def test_caches_sized_by_need_and_the_limit_named(tiny):
     with pytest.raises(ValueError, match="max_len=100"):
         jdspark.generate(target, drafter, prompt, max_new_tokens=60, max_len=100)
     assert dispatch.prefill_chunk(100) is None
-    assert dispatch.prefill_chunk(dispatch.PREFILL_ONE_PASS_MAX_TOKENS + 1) == dispatch.PREFILL_CHUNK_TOKENS
+    one_pass, size = dispatch.prefill_limits()
+    assert dispatch.prefill_chunk(one_pass) is None and dispatch.prefill_chunk(one_pass + 1) == size
     assert dispatch.prefill_chunk(100, 0) is None and dispatch.prefill_chunk(100, 32) == 32
     assert dispatch.prefill_chunk(20, 32) is None
     with pytest.raises(ValueError, match="prefill_chunk"):
