@@ -10,7 +10,8 @@
 transformers' server loads its model with ``device_map`` set, which needs the ``accelerate`` package; this project
 does not install it (a CPU model needs no placement). Here ``from_pretrained`` drops a ``device_map`` of "cpu"
 (the model loads on the CPU either way) and transformers' own CLI runs with the arguments given (``transformers
-serve --help`` lists them; ``--device cpu --dtype float32`` are added unless given). Nothing else is changed:
+serve --help`` lists them; ``--device cpu --dtype float32`` are added unless given), offline (``HF_HUB_OFFLINE``,
+no update check) unless the environment says otherwise. Nothing else is changed:
 what is timed is transformers' server. Its ``--continuous-batching`` refuses KimiLinear's KDA layers
 (transformers 5.19: "Invalid layer type: linear_attention"), so it serves one request at a time
 (docs/performance.md, "The same checkpoint served").
@@ -18,6 +19,7 @@ what is timed is transformers' server. Its ``--continuous-batching`` refuses Kim
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -36,6 +38,9 @@ def drop_cpu_device_map() -> None:
 
 
 def main(argv=None) -> int:
+    # a local checkpoint needs no network: no hub lookups, no check for a newer transformers at start-up
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")
     args = list(sys.argv[1:] if argv is None else argv)
     for flag, value in (("--device", "cpu"), ("--dtype", "float32")):
         if not any(a == flag or a.startswith(flag + "=") for a in args):
