@@ -81,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the server shares its cores with other busy processes")
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prefill prompts longer than N tokens in chunks of N (0: one pass; default: kimi.dispatch "
-                         "decides: on a CPU chunks of 256 above 1024 tokens, elsewhere of 1024 above 4096)")
+                         "decides: on a CPU chunks of 256 above 1664 tokens, elsewhere of 1024 above 4096)")
     ap.add_argument("--multi-step", type=int, default=None,
                     help="steps per device launch (at batch buckets <= --multi-step-max-batch) while no request "
                          "waits (1: one per launch); default: jdspark.slots.multi_step_plan for the platform (4 on "

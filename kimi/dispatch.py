@@ -15,7 +15,7 @@ path has a test against its reference.
                   MOE_ALL_OVER_BLOCKED, MOE_ALL_OVER_GATHERED (the serving copy's 'all' for many rows, mapped rows)
   serving copy    serving_copy         a generation serves small models from a rearranged copy of the weights
   bf16 matvec     bf16_rows            a single bf16 row is padded to BF16_ROWS_MIN rows (mapped rows: their share)
-  prefill         prefill_chunk        one pass up to a bound, else chunks (prefill_limits: 1024 / 256 on CPU)
+  prefill         prefill_chunk        one pass up to a bound, else chunks (prefill_limits: 1664 / 256 on CPU)
   MLA prefill     mla_key_tile         whole-cache scores up to MLA_TILED_MIN_KEYS keys, else key tiles of MLA_KEY_TILE,
                                        absorbed on CPU (MLA_PREFILL_TILED_FORM), unabsorbed elsewhere
   MLA decode      mla_absorbed_key_tile  decode and verify on CPU over more than MLA_ABSORBED_TILED_MIN_KEYS keys:
@@ -237,9 +237,9 @@ def bf16_rows(rows: int) -> int:
 # memory is the caches plus its activations (MLA scores C x S per head, S the cache length), the work the same as
 # one pass. On XLA:CPU the [T, T] scores of one long pass go to memory on every pass over them: chunks of 256
 # prefill the shipped pair's 2K / 4K prompts 1.4x / 1.5x faster than one pass (and 1.5x / 1.2x than chunks of
-# 1024) in a seventh / a fifteenth of one pass's memory growth; one pass still wins at 512 (docs/performance.md,
-# "Prefill chunks of 256 on a CPU"). Elsewhere (unmeasured): one pass up to 4096.
-PREFILL_LIMITS = {"cpu": (1024, 256)}
+# 1024) in a seventh / a fifteenth of one pass's memory growth; one pass, padded only to 64, still wins up to
+# ~1664 tokens (docs/performance.md, "Prefill chunks of 256 on a CPU"). Elsewhere (unmeasured): one pass up to 4096.
+PREFILL_LIMITS = {"cpu": (1664, 256)}
 PREFILL_LIMITS_DEFAULT = (4096, 1024)
 
 
