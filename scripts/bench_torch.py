@@ -76,22 +76,6 @@ def build_shipped_scale(out_dir, seed: int = 0) -> str:
     return out
 
 
-def hf_generate(hf, prompt_1T: np.ndarray, n: int, temperature: float, top_p: float, seed: int) -> list:
-    """transformers' ``generate`` of ``n`` new tokens (EOS off): greedy at temperature 0, else sampled."""
-    import torch
-    from transformers import GenerationConfig
-
-    sample = temperature > 0
-    gen = GenerationConfig(do_sample=sample, temperature=temperature if sample else None, top_p=top_p if sample
-                           else None, top_k=0 if sample else None, max_new_tokens=n, min_new_tokens=n,
-                           eos_token_id=None, pad_token_id=hf.config.pad_token_id, use_cache=True)
-    ids = torch.as_tensor(prompt_1T, dtype=torch.long)
-    torch.manual_seed(seed)
-    with torch.no_grad():  # an explicit mask: otherwise generate() masks prompt tokens equal to pad_token_id
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return out[0, prompt_1T.shape[1]:].tolist()
-
-
 def ours_generate(model, prompt_1T: np.ndarray, n: int, temperature: float, top_p: float, seed: int) -> list:
     """``jdspark.generate``'s plain decoding of ``n`` new tokens (EOS off), one device program."""
     import jdspark
@@ -113,7 +97,9 @@ def compare(hf, ours, prompt_1T: np.ndarray, new_tokens: int, rounds: int, modes
         raise ValueError(f"new_tokens: expected >= 2 (decode speed is timed beyond the first token), got {new_tokens}")
     if rounds < 1:
         raise ValueError(f"rounds: expected >= 1, got {rounds}")
-    sides = {"transformers": (hf_generate, hf), "jdspark": (ours_generate, ours)}
+    import parity
+
+    sides = {"transformers": (parity.hf_generate, hf), "jdspark": (ours_generate, ours)}
     result = {}
     for mode in modes:
         temp, top_p = MODES[mode]

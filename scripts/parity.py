@@ -140,16 +140,28 @@ def our_greedy(model, prompt_1T, n: int) -> list:
     return toks
 
 
-def hf_greedy(hf, prompt_1T, n: int) -> list:
+def hf_generate(hf, prompt_1T, n: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                stop_at_eos: bool = False) -> list:
+    """transformers' ``generate`` of ``n`` new tokens: greedy at temperature 0, else sampled (top-k off); all n
+    (EOS not ending it) unless ``stop_at_eos`` (the checkpoint's generation_config's EOS ends it)."""
     import torch
     from transformers import GenerationConfig
 
-    gen = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+    sample = temperature > 0
+    gen = GenerationConfig(do_sample=sample, temperature=temperature if sample else None,
+                           top_p=top_p if sample else None, top_k=0 if sample else None, max_new_tokens=n,
+                           min_new_tokens=0 if stop_at_eos else n, eos_token_id=None,
                            pad_token_id=hf.config.pad_token_id, use_cache=True)
     ids = torch.as_tensor(np.asarray(prompt_1T), dtype=torch.long)
+    torch.manual_seed(seed)
     with torch.no_grad():  # an explicit mask: otherwise generate() masks prompt tokens equal to pad_token_id
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
     return out[0, prompt_1T.shape[1]:].tolist()
+
+
+def hf_greedy(hf, prompt_1T, n: int) -> list:
+    """transformers' greedy tokens, ended by the checkpoint's EOS as its generate ends them by default."""
+    return hf_generate(hf, prompt_1T, n, stop_at_eos=True)
 
 
 def compare_models(hf, ours, prompt_1T, decode_steps: int = 4, greedy_tokens: int = 32, seed: int = 0) -> dict:
