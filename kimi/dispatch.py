@@ -6,7 +6,9 @@ never change results beyond float summation order (and bf16 rounding where the s
 path has a test against its reference.
 
   KDA prefill     kda_prefill_form     chunked (WY) on accelerators, token scan on CPU
-  KDA verify      kda_verify_form      closed-form block up to KDA_BLOCK_MAX_TOKENS, else the scan
+  KDA verify      kda_verify_form      closed-form block up to KDA_BLOCK_MAX_TOKENS, else the scan; the scan on
+                                       KDA_VERIFY_SCAN_BACKENDS (the CPU) up to KDA_VERIFY_SCAN_MAX_ROWS token rows
+                                       (a batch-1 block: rounds as decode does); kda_verify_form_as
   Pallas or XLA   kda_uses_pallas      the fused KDA step for decode / verify when KimiConfig.kernels == "pallas"
                   moe_uses_pallas      the MXFP4 expert kernels when kernels == "pallas" on packed experts
                   pallas_interpret     interpret mode on CPU, compiled (Triton) elsewhere
@@ -39,6 +41,17 @@ import jax.numpy as jnp
 # Verify blocks of up to this many tokens use the closed-form block (a few small matmuls, no loop, the state after
 # any prefix rebuilt on demand): faster than the scan for a DSpark block; its T x T matrices grow with T.
 KDA_BLOCK_MAX_TOKENS = 16
+# ... except a verify of at most KDA_VERIFY_SCAN_MAX_ROWS token rows (all rows of a batch, mapped ones included) on
+# these backends, which scans its tokens: on the 2-core CPU a batch-1 block of 8 costs the same either way (verify +
+# rollback, 25 interleaved rounds: 3.55 / 3.83 ms min / median against the block's 3.54 / 3.87), and each position
+# is then the decode step's own arithmetic, so a verify rounds as plain decoding does: its logits equal 8 decode
+# steps' bit for bit at 79% of positions against 68%, and greedy DSpark left plain decoding on 2 of 24 bench prompts
+# against 4. At 16 slots x 8 tokens the scan's kept per-position states (~50 MB) made a step 1.7-2x the block's
+# (docs/performance.md, "KDA verify form").
+KDA_VERIFY_SCAN_BACKENDS = ("cpu",)
+KDA_VERIFY_SCAN_MAX_ROWS = 8
+KDA_VERIFY_FORMS = ("block", "recurrent")
+_KDA_VERIFY_FORM = [None]  # None: by the backend; else the form ``kda_verify_form_as`` set while tracing
 
 
 def kda_prefill_form(cfg) -> str:
@@ -49,10 +62,30 @@ def kda_prefill_form(cfg) -> str:
     return "recurrent" if jax.default_backend() == "cpu" else "chunked"
 
 
-def kda_verify_form(T: int) -> str:
-    """KDA's verify form for a block of T tokens: "block" (``kda_ops.kda_block``) or "recurrent" (the scan that
-    keeps every per-position state)."""
+def kda_verify_form(T: int, batch: int = 1) -> str:
+    """KDA's verify form for ``batch`` rows of T tokens (times the rows of ``mapped_rows``): "block"
+    (``kda_ops.kda_block``) or "recurrent" (the scan that keeps every per-position state): the scan past
+    ``KDA_BLOCK_MAX_TOKENS``, and on ``KDA_VERIFY_SCAN_BACKENDS`` up to ``KDA_VERIFY_SCAN_MAX_ROWS`` token rows."""
+    if _KDA_VERIFY_FORM[-1] is not None:
+        return _KDA_VERIFY_FORM[-1]
+    rows = T * batch * (_MAPPED_ROWS[-1] or 1)
+    if jax.default_backend() in KDA_VERIFY_SCAN_BACKENDS and rows <= KDA_VERIFY_SCAN_MAX_ROWS:
+        return "recurrent"
     return "block" if T <= KDA_BLOCK_MAX_TOKENS else "recurrent"
+
+
+@contextlib.contextmanager
+def kda_verify_form_as(form: str):
+    """Trace-time context: a verify takes ``form`` at every width whatever the backend, so both forms can be tested
+    and timed on one machine (functions traced inside it must not be served from a jit cache filled outside it:
+    call ``model.forward``, not the jitted ``model.verify``)."""
+    if form not in KDA_VERIFY_FORMS:
+        raise ValueError(f"kda_verify_form_as: expected one of {KDA_VERIFY_FORMS}, got {form!r}")
+    _KDA_VERIFY_FORM.append(form)
+    try:
+        yield
+    finally:
+        _KDA_VERIFY_FORM.pop()
 
 
 # --------------------------------------------------------------------------------------------------- Pallas

@@ -261,7 +261,7 @@ class KimiDeltaAttention(nnx.Module):
             o, state_BHKV = kda_ops.kda_chunked(q, k, v, g, beta_BTH, state_BHKV, chunk_size=cfg.kda_chunk_size)
         elif mode == "prefill":
             o, state_BHKV = kda_ops.kda_recurrent(q, k, v, g, beta_BTH, state_BHKV)
-        elif mode == "verify" and dispatch.kda_verify_form(T) == "block":
+        elif mode == "verify" and dispatch.kda_verify_form(T, B) == "block":
             o, states = kda_ops.kda_block(q, k, v, g, beta_BTH, state_BHKV)
             state_BHKV = kda_ops.kda_block_state(states, jnp.full((B,), T, jnp.int32))
         elif mode == "verify":

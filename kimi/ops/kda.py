@@ -152,7 +152,10 @@ def causal_conv_step(x_BC, w_CK, conv_state_BWC):
     x = _f32(x_BC)
     _, w, state, _ = _conv_inputs(x[:, None, :], w_CK, conv_state_BWC)
     xx_BKC = jnp.concatenate([state, x[:, None, :]], axis=1)
-    y_BC = jax.nn.silu(jnp.sum(xx_BKC * w.T[None], axis=1))
+    acc_BC = jnp.zeros_like(x)
+    for j in range(xx_BKC.shape[1]):  # causal_conv's order of summation: a decode rounds as a verify does
+        acc_BC = acc_BC + xx_BKC[:, j, :] * w[:, j]
+    y_BC = jax.nn.silu(acc_BC)
     return y_BC, xx_BKC[:, 1:, :]
 
 

@@ -385,6 +385,28 @@ def test_sampling_form_follows_the_backend_unless_set_while_tracing(monkeypatch)
             pass
 
 
+def test_kda_verify_form_scans_a_batch_1_block_on_the_cpu(monkeypatch):
+    """On a CPU a verify of at most KDA_VERIFY_SCAN_MAX_ROWS token rows (mapped rows counted) scans its tokens, which
+    rounds as decoding does; more rows take the closed-form block up to KDA_BLOCK_MAX_TOKENS, then the scan again.
+    Elsewhere the block up to that length. ``kda_verify_form_as`` sets either form while tracing."""
+    n, long_T = dispatch.KDA_VERIFY_SCAN_MAX_ROWS, dispatch.KDA_BLOCK_MAX_TOKENS + 1
+    assert dispatch.kda_verify_form(8) == "recurrent" and n >= 8  # generate's whole block at batch 1
+    assert dispatch.kda_verify_form(n + 1) == "block"
+    assert dispatch.kda_verify_form(8, 2) == "block"
+    with dispatch.mapped_rows(1):
+        assert dispatch.kda_verify_form(8) == "recurrent"  # the engine's one slot
+    with dispatch.mapped_rows(16):
+        assert dispatch.kda_verify_form(8) == "block"  # 16 slots x 8 tokens
+        assert dispatch.kda_verify_form(long_T) == "recurrent"
+    with dispatch.kda_verify_form_as("block"):
+        assert dispatch.kda_verify_form(8) == "block"
+    with pytest.raises(ValueError, match="kda_verify_form_as: expected one of"):
+        with dispatch.kda_verify_form_as("chunked"):
+            pass
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert dispatch.kda_verify_form(8) == "block" and dispatch.kda_verify_form(long_T) == "recurrent"
+
+
 def test_bf16_rows_pad_a_lone_row_but_not_mapped_rows():
     """A single bf16 row is padded to BF16_ROWS_MIN; rows mapped with vmap are one matmul to XLA, so each mapped call
     pads only to its share: 16 mapped rows of one multiply 16 rows (they multiplied 32 before the forty-ninth

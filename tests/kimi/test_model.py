@@ -84,8 +84,11 @@ def test_verify_after_prefill_matches_longer_prefill(setup, verified):
     p, D, extra = P_VERIFY, cfg.hidden_size, tok[:, P_VERIFY:]
     np.testing.assert_allclose(ver.logits, pre.logits[:, p:], atol=1e-4)
     np.testing.assert_allclose(ver.taps, pre.taps[:, p:, D:2 * D], atol=1e-4)  # pre's taps: layers (0, 2, L)
-    assert isinstance(ver.kda_rollback, kimi.ops.kda.KDABlockTrace)  # a short verify: the closed-form block
-    assert ver.kda_rollback.k_BTHK.shape[:3] == (cfg.num_kda_layers, 2, 5)
+    if kimi.dispatch.kda_verify_form(5, 2) == "block":  # the closed-form block (test_both_verify_forms: each)
+        assert isinstance(ver.kda_rollback, kimi.ops.kda.KDABlockTrace)
+        assert ver.kda_rollback.k_BTHK.shape[:3] == (cfg.num_kda_layers, 2, 5)
+    else:  # the scan (on a CPU): every position's state
+        assert ver.kda_rollback.shape[:3] == (cfg.num_kda_layers, 2, 5)
     np.testing.assert_allclose(ver.cache.kda_state, pre.cache.kda_state, atol=1e-5)
     # the state verify reports at accepted length k equals processing prompt + k tokens
     for k in (1, 3, 5):
@@ -100,6 +103,23 @@ def test_verify_after_prefill_matches_longer_prefill(setup, verified):
         a = m.decode(nxt, jax.tree.map(jnp.copy, rolled)).logits  # decode donates its cache: keep ver's intact
         b = m.decode(nxt, jax.tree.map(jnp.copy, ref)).logits
         np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("form", kimi.dispatch.KDA_VERIFY_FORMS)
+def test_both_verify_forms(setup, verified, form):
+    """Either KDA verify form (``dispatch.kda_verify_form_as``; the backend picks one) gives the longer prefill's
+    logits and, rolled back to k tokens, the state k decode steps reach."""
+    cfg, m, tok, pre = setup
+    steps = verified[0]
+    with kimi.dispatch.kda_verify_form_as(form):  # traced here, not served from model.verify's jit cache
+        ver = jax.jit(lambda t, c: m.forward(t, c, mode="verify"))(tok[:, P_VERIFY:], jax.tree.map(jnp.copy,
+                                                                                                   steps[0]))
+    assert isinstance(ver.kda_rollback, kimi.ops.kda.KDABlockTrace) == (form == "block")
+    np.testing.assert_allclose(ver.logits, pre.logits[:, P_VERIFY:], atol=1e-4)
+    for k in (1, 3, 5):
+        rolled = kimi.KimiForCausalLM.rollback(ver, np.full((2,), P_VERIFY, np.int32), np.full((2,), k, np.int32))
+        np.testing.assert_allclose(rolled.kda_state, steps[k].kda_state, atol=1e-5)
+        np.testing.assert_allclose(rolled.conv_state, steps[k].conv_state, atol=1e-6)
 
 
 def test_long_verify_keeps_per_position_states(setup, verified):
