@@ -147,16 +147,11 @@ def causal_conv(x_BTC, w_CK, conv_state_BWC, return_all_states=False):
 def causal_conv_step(x_BC, w_CK, conv_state_BWC):
     """One decode token of :func:`causal_conv`: y[c] = silu(sum_j w[c, j] * xx[j][c]), xx = concat(state, x).
 
-    Returns ``(y_BC, new_conv_state_BWC)`` with new state = xx[1:].
+    :func:`causal_conv` of a 1-token sequence (what the model's decode runs), so a step sums in the block's order
+    and rounds as a verify does. Returns ``(y_BC, new_conv_state_BWC)`` with new state = xx[1:].
     """
-    x = _f32(x_BC)
-    _, w, state, _ = _conv_inputs(x[:, None, :], w_CK, conv_state_BWC)
-    xx_BKC = jnp.concatenate([state, x[:, None, :]], axis=1)
-    acc_BC = jnp.zeros_like(x)
-    for j in range(xx_BKC.shape[1]):  # causal_conv's order of summation: a decode rounds as a verify does
-        acc_BC = acc_BC + xx_BKC[:, j, :] * w[:, j]
-    y_BC = jax.nn.silu(acc_BC)
-    return y_BC, xx_BKC[:, 1:, :]
+    y_B1C, new_state_BWC = causal_conv(x_BC[:, None, :], w_CK, conv_state_BWC)
+    return y_B1C[:, 0], new_state_BWC
 
 
 # ----------------------------------------------------------------------------------------------------------------
