@@ -40,6 +40,11 @@ refused. A line's ``ignore_eos`` and ``top_p`` win over the cell's (constrained 
 ``"ignore_eos": false``; its completions then vary in length: tokens are counted from ``usage``, and a cell reports
 its ``completion_tokens``). Every distinct request body is sent once before the first cell, so a body the server
 refuses stops the run there, naming it.
+Greedy cells also say whether their outputs depend on how they were served (``greedy_agreement``): each request's
+text against its prompt's text from plain decoding at the lowest concurrency and from its own mode there (batch-1
+``jdspark.generate`` of that mode), per cell (``greedy_differing``, ``greedy_batch_differing``) and per mode in the
+JSON's ``greedy_agreement``: lossless speculation and batch-independent rows keep every count at 0; bf16 rounding
+at near-ties does not (docs/serving.md, "Greedy outputs under batching").
 ``--openai-compatible`` (with ``--url``): the same load against any OpenAI-compatible server (``transformers
 serve``, vLLM, ...), to compare servers on one machine: prompts sent as text, OpenAI's fields only (its completions
 end at its EOS, counted from ``usage``), the cells' mode ``server``, accept_len from its ``/metrics`` where it has
@@ -180,7 +185,61 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
             "accept_len": (1.0 + d["vllm:spec_decode_num_accepted_tokens_total"] / drafts if drafts else 1.0)
             if counted else None,
             "verified_per_slot_step": d["jdspark:verified_tokens_per_step_sum"] / vcount if vcount else None,
-            "step_cost_ms": scrape_costs(metrics_after, concurrency), "wall_s": wall}
+            "step_cost_ms": scrape_costs(metrics_after, concurrency), "wall_s": wall,
+            **({"outputs": [[i % len(prompts), r["text"]] for i, r in enumerate(res)]} if messages is None else {})}
+
+
+def greedy_agreement(cells, medians=()) -> dict:
+    """Whether greedy outputs depend on how they were served: lossless speculation and rows independent of their
+    batch make every greedy request of a prompt stream the same text in every mode, at every concurrency and in
+    every round. Two references per prompt: its text in the lowest concurrency's plain (``off``) cells (one stream
+    decoded token by token, as batch-1 ``jdspark.generate`` without a drafter does; else its most common text), and
+    its text in the same mode at the lowest concurrency (batch-1 ``generate`` of that mode: what batching alone
+    changes). Sets ``greedy_differing`` (requests whose text differs from the first) and ``greedy_batch_differing``
+    (from the second; None where no request of that prompt ran there) on each greedy cell (``cells``: every round's,
+    before ``median_cell``; and the ``medians`` made of them) and returns, per mode, the requests served, those
+    that differ from each reference (``differing``, ``batch_differing``, out of ``batch_compared``) and the prompts
+    concerned. On bf16 weights a near-tie between two tokens can round either way in a verify block or a wider
+    batch: this counts how often the served pair meets one."""
+    greedy = [c for c in cells if c["temperature"] == 0 and "outputs" in c]
+    if not greedy:
+        return {}
+    lo = min(c["concurrency"] for c in greedy)
+
+    def majority(texts):
+        return max(set(texts), key=texts.count) if texts else None
+
+    prompts = sorted({i for c in greedy for i, _ in c["outputs"]})
+    at_lo = {m: {i: majority([t for c in greedy if c["mode"] == m and c["concurrency"] == lo
+                              for j, t in c["outputs"] if j == i]) for i in prompts}
+             for m in sorted({c["mode"] for c in greedy})}
+    plain = {i: (at_lo.get("off") or {}).get(i) or majority([t for c in greedy for j, t in c["outputs"] if j == i])
+             for i in prompts}
+
+    def mark(c):
+        mine = at_lo[c["mode"]]
+        c["greedy_differing"] = sum(t != plain[i] for i, t in c["outputs"])
+        compared = [(i, t) for i, t in c["outputs"] if mine[i] is not None]
+        c["greedy_batch_differing"] = sum(t != mine[i] for i, t in compared) if compared else None
+        return compared
+
+    out = {}
+    for c in greedy:
+        compared = mark(c)
+        row = out.setdefault(c["mode"], {"requests": 0, "differing": 0, "batch_compared": 0, "batch_differing": 0,
+                                         "prompts": set(), "batch_prompts": set()})
+        row["requests"] += len(c["outputs"])
+        row["differing"] += c["greedy_differing"]
+        row["prompts"].update(i for i, t in c["outputs"] if t != plain[i])
+        if c["concurrency"] != lo:
+            row["batch_compared"] += len(compared)
+            row["batch_differing"] += c["greedy_batch_differing"] or 0
+            row["batch_prompts"].update(i for i, t in compared if t != at_lo[c["mode"]][i])
+    for c in medians:
+        if c["temperature"] == 0 and "outputs" in c:
+            mark(c)
+    return {m: {**r, "prompts": sorted(r["prompts"]), "batch_prompts": sorted(r["batch_prompts"])}
+            for m, r in out.items()}
 
 
 def median_cell(rounds: list) -> dict:
@@ -438,7 +497,7 @@ def main(argv=None) -> int:
                             model=a.model or first_model(a.url, a.api_key))
     else:
         client = HttpClient(a.url, api_key=a.api_key)
-    cells = []
+    cells, greedy_rounds = [], []
     try:
         seen = set()
         for i, f in enumerate(fields):  # warm the path end to end, then every distinct body once: a request the
@@ -465,17 +524,28 @@ def main(argv=None) -> int:
                               + (f", TTFT p50 by turn {cell['ttft_ms_p50_by_turn']}, cached share "
                                  f"{cell['cached_share']:.2f}" if messages is not None else ""),
                               file=sys.stderr, flush=True)
+                if temp == 0:
+                    greedy_rounds += [c for m in modes for c in rounds[m]]
                 cells += [median_cell(rounds[m]) for m in modes]
     finally:
         client.close()
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    agreement = greedy_agreement(greedy_rounds, cells)  # before the texts are dropped: every round's, not the medians'
+    for c in cells:
+        c.pop("outputs", None)
+    if agreement:
+        print("[bench_serve] greedy requests whose text differs from plain batch-1 decoding's: "
+              + ", ".join(f"{m} {r['differing']} of {r['requests']}" for m, r in agreement.items())
+              + "; from their own mode's at the lowest concurrency: "
+              + ", ".join(f"{m} {r['batch_differing']} of {r['batch_compared']}" for m, r in agreement.items()),
+              file=sys.stderr)
     if a.plot:
         plot(cells, a.plot)
     if a.json:
-        print(json.dumps({"cells": cells, "summary": summarize(cells), "server_args": server_args,
-                          "prompts": source}, separators=(",", ":")))
+        print(json.dumps({"cells": cells, "summary": summarize(cells), "greedy_agreement": agreement,
+                          "server_args": server_args, "prompts": source}, separators=(",", ":")))
     return 0
 
 

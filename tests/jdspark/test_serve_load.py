@@ -124,6 +124,12 @@ def test_bench_serve_cells_and_chart_against_a_live_server(soak_srv, tmp_path):
     assert b"hi there" in bytes(t for t in sent[0].prompt_ids if t < 256) and sent[1].prompt_ids == tuple(prompts[1])
     with pytest.raises(ValueError, match=r"--in-process sends token ids only; request fields \['top_k'\]"):
         clients[1].request(prompts[0], 9, 0.0, 0, "fixed", {"top_k": 7})
+    # greedy agreement: every greedy request of a prompt streamed the same text in every mode and concurrency
+    assert all(sorted(i for i, _ in c["outputs"]) == [0, 1, 2, 3] for c in cells)
+    got = bench_serve.greedy_agreement(cells)
+    assert {m: (r["differing"], r["batch_differing"], r["batch_compared"]) for m, r in got.items()} == {
+        "off": (0, 0, 8), "fixed": (0, 0, 8)}  # c = 4 against c = 1: 2 clients x 4 requests
+    assert all(c["greedy_differing"] == 0 for c in cells)
     med = bench_serve.median_cell([dict(cells[0], output_tok_s=v, tag=i) for i, v in enumerate((3.0, 1.0, 2.0, 9.0))])
     assert med["tag"] == 2 and med["rounds"] == 4 and med["output_tok_s_rounds"] == [3.0, 1.0, 2.0, 9.0]
     bench_serve.plot(cells, str(tmp_path / "serve.png"))
@@ -216,6 +222,40 @@ def test_bench_serve_summary_pairs_rounds():
     # unequal round counts fall back to the ratio of medians
     lone = dict(cells[2], output_tok_s_rounds=[110.0])
     assert bench_serve.paired_ratio(lone, cells[1]) == pytest.approx(110.0 / 100.0)
+
+
+def test_bench_serve_counts_greedy_outputs_that_depend_on_how_they_were_served():
+    """A prompt's plain reference is its text in the plain cells of the lowest concurrency (their majority), its
+    batch reference its text in the same mode there; a greedy request streaming other text counts against its mode,
+    in the round and in the median cell; sampled cells are not counted."""
+    import sys
+
+    sys.path.insert(0, "scripts")
+    import bench_serve
+
+    def cell(mode, c, texts, temperature=0.0):
+        return {"mode": mode, "concurrency": c, "temperature": temperature, "outputs": list(enumerate(texts))}
+
+    rounds = [cell("off", 1, ["a", "b", "c"]), cell("off", 1, ["a", "b", "c"]), cell("off", 4, ["a", "b", "x"]),
+              cell("fixed", 1, ["a", "y", "c"]), cell("fixed", 4, ["a", "y", "x"]),
+              cell("adaptive", 4, ["a", "b", "c"]), cell("adaptive", 4, ["z", "b", "c"], temperature=1.0)]
+    median = dict(rounds[4])
+    got = bench_serve.greedy_agreement(rounds, [median])
+    assert got == {
+        "off": {"requests": 9, "differing": 1, "prompts": [2], "batch_compared": 3, "batch_differing": 1,
+                "batch_prompts": [2]},
+        "fixed": {"requests": 6, "differing": 3, "prompts": [1, 2], "batch_compared": 3, "batch_differing": 1,
+                  "batch_prompts": [2]},
+        "adaptive": {"requests": 3, "differing": 0, "prompts": [], "batch_compared": 0, "batch_differing": 0,
+                     "batch_prompts": []}}
+    assert [c.get("greedy_differing") for c in rounds] == [0, 0, 1, 1, 2, 0, None]
+    assert [c.get("greedy_batch_differing") for c in rounds] == [0, 0, 1, 0, 1, None, None]
+    assert median["greedy_differing"] == 2 and median["greedy_batch_differing"] == 1
+    # no plain cell: the most common text of the prompt is its plain reference
+    got = bench_serve.greedy_agreement([cell("fixed", 2, ["p", "q"]), cell("fixed", 2, ["p", "r"]),
+                                        cell("adaptive", 2, ["p", "q"])])
+    assert got["fixed"]["differing"] == 1 and got["adaptive"]["differing"] == 0
+    assert bench_serve.greedy_agreement([cell("off", 1, ["a"], temperature=1.0)]) == {}
 
 
 def test_bench_serve_sizes_a_launched_server_by_its_traffic():
