@@ -39,7 +39,10 @@ def test_shipped_pair_loads_and_fits(pair):
 def test_shipped_pair_greedy_dspark_equals_plain_on_held_out_prompts(pair):
     """20 held-out prompts (one padded length: one compiled program per mode), 40 new tokens each: DSpark's greedy
     output equals plain decoding's token for token, with steps that accepted every length from none to the whole
-    block among them (so both the accept and the reject paths ran)."""
+    block among them (so both the accept and the reject paths ran). On the fp32 serving copy (the checkpoint's
+    own numerics, ``kimi.load_checkpoint``'s default): the bf16 copy a server runs by default rounds a verify block
+    and a decode step differently enough to split a near-tie now and then (docs/serving.md, "Greedy outputs under
+    batching": 2 of 40 held-out prompts x 128 tokens), which a lossless test must not depend on."""
     target, drafter = pair
     G = drafter.config.block_size
     docs = jdata.read_documents(jdata.list_files(None, "val"))
