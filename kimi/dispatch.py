@@ -210,8 +210,9 @@ def moe_path(rows: int, top_k: int, num_experts: int, serving_dtype=None) -> str
     'used' / 'all_or_used': no run-time cond. Inside ``mapped_rows(n)``: 'gathered' when the n * rows rows route
     to fewer slots than there are experts, else 'all' (no run-time skipping, which vmap would turn into both
     branches), each as for rows that many; on the bf16 serving copy on a CPU 'all' already from E <=
-    ``MOE_ALL_OVER_GATHERED`` x those slots (a b = 1 decode of 8 experts: its rows then round as batch-1 decode's
-    'used' does)."""
+    ``MOE_ALL_OVER_GATHERED`` x those slots (a b = 1 decode of 8 experts: its rows then round close to batch-1
+    decode's 'used', not bit for bit: 'all' sums the experts inside one matmul over E * F, 'used' one expert after
+    another; docs/serving.md, "Greedy outputs under batching")."""
     mapped = _MAPPED_ROWS[-1]
     if mapped is not None:
         slots = rows * mapped * top_k
