@@ -17,6 +17,7 @@ import kimi
 from jdspark.engine import Engine, Request, SamplingRequest
 from jdspark.slots import SlotBackend
 from kimi.tokenizer import ByteTokenizer
+from tests.jdspark.test_slots import _wait_until_finished
 from tests.jdspark.test_speculative import bigram_map, markov_drafter, scaled_target
 
 
@@ -49,15 +50,9 @@ def test_bf16_served_rows_equal_batch_one_generate(pair):
             sp = SamplingRequest(prompt, 12 + (i * 7) % 25, speculative=i % 3 != 2, spec_mode="fixed")
             reqs.append(eng.submit(Request(sp, lambda ev: None, ignore_eos=True)))
             if i == 0:  # the first alone (batch bucket 1), the rest arriving over each other's steps (bucket 4)
-                deadline = time.time() + 300
-                while not reqs[0].finished:
-                    assert time.time() < deadline and eng.error is None, eng.error
-                    time.sleep(0.02)
+                _wait_until_finished(eng, reqs, 300)
             time.sleep(0.01 * (i % 3))
-        deadline = time.time() + 600
-        while not all(r.finished for r in reqs):
-            assert time.time() < deadline and eng.error is None, eng.error
-            time.sleep(0.05)
+        _wait_until_finished(eng, reqs, 600)
     finally:
         eng.shutdown()
     for r in reqs:
