@@ -213,8 +213,9 @@ def greedy_agreement(cells, medians=()) -> dict:
     at_lo = {m: {i: majority([t for c in greedy if c["mode"] == m and c["concurrency"] == lo
                               for j, t in c["outputs"] if j == i]) for i in prompts}
              for m in sorted({c["mode"] for c in greedy})}
-    plain = {i: (at_lo.get("off") or {}).get(i) or majority([t for c in greedy for j, t in c["outputs"] if j == i])
-             for i in prompts}
+    off = at_lo.get("off", {})
+    plain = {i: off[i] if off.get(i) is not None else majority([t for c in greedy for j, t in c["outputs"] if j == i])
+             for i in prompts}  # (an empty text is a text: a constrained request may end at once)
 
     def mark(c):
         mine = at_lo[c["mode"]]
