@@ -8,7 +8,8 @@ path has a test against its reference.
   KDA prefill     kda_prefill_form     chunked (WY) on accelerators, token scan on CPU
   KDA verify      kda_verify_form      closed-form block up to KDA_BLOCK_MAX_TOKENS, else the scan; the scan on
                                        KDA_VERIFY_SCAN_BACKENDS (the CPU) up to KDA_VERIFY_SCAN_MAX_ROWS token rows
-                                       (a batch-1 block: rounds as decode does); kda_verify_form_as
+                                       (a batch-1 block: each position the decode step's own arithmetic, its
+                                       logits bit-equal to decode's at 79% of positions); kda_verify_form_as
   Pallas or XLA   kda_uses_pallas      the fused KDA step for decode / verify when KimiConfig.kernels == "pallas"
                   moe_uses_pallas      the MXFP4 expert kernels when kernels == "pallas" on packed experts
                   pallas_interpret     interpret mode on CPU, compiled (Triton) elsewhere
