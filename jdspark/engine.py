@@ -107,7 +107,8 @@ class Backend(Protocol):
     def free(self, slot: int) -> None: ...
 
     # optional: ``launch`` / ``collect`` / ``steps_for`` (pipelined, multi-step), ``keep_answer`` / ``idle_pending`` /
-    # ``idle_step`` (work while nothing runs; see the module docstring)
+    # ``idle_step`` (work while nothing runs; see the module docstring), ``insert_many(pairs)`` (requests admitted
+    # together: yields (index, its StepOutput or the ValueError that refused it) as each is prefilled)
 
 
 @dataclasses.dataclass
@@ -315,12 +316,12 @@ class Engine:
                     req.admitted_at = time.monotonic()
                     if self.metrics:
                         self.metrics.queue_time(req.admitted_at - req.arrival)
-                    try:
-                        first = self.backend.insert(s, req.sampling)
-                    except ValueError as e:  # this request cannot be served (e.g. too long): it alone ends
+                for i, first in self._insert(admit):  # each as soon as it is prefilled
+                    s, req = admit[i]
+                    if isinstance(first, ValueError):  # this request cannot be served (e.g. too long): it alone ends
                         with self._cv:
                             self.slots[s] = None  # nothing was placed on the device
-                        self._finish(req, "abort", error=str(e))
+                        self._finish(req, "abort", error=str(first))
                         continue
                     self._commit(s, req, [first], prefill=True)
                 active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
@@ -357,6 +358,19 @@ class Engine:
                 self.slots = [None] * len(self.slots)
                 self._gauges()
             raise
+
+    def _insert(self, admit: list):
+        """Prefill the admitted (slot, request) pairs, yielding (index, its first ``StepOutput`` or the ValueError
+        that refused it) as each is done. A backend with ``insert_many`` takes them together (it may prefill
+        several as one batch)."""
+        if len(admit) > 1 and hasattr(self.backend, "insert_many"):
+            yield from self.backend.insert_many([(s, req.sampling) for s, req in admit])
+            return
+        for i, (s, req) in enumerate(admit):
+            try:
+                yield i, self.backend.insert(s, req.sampling)
+            except ValueError as e:
+                yield i, e
 
     def _plan_launch(self, active: list, pending) -> tuple:
         """The slots the next pipelined launch steps, and its steps, given the launch still in flight (``pending``:

@@ -185,13 +185,15 @@ def check_map_budget(remaining: int, per_program: int, used: int, limit: int) ->
 COMPILE_THREADS = 8
 
 
-def compile_programs(progs: list, threads: Optional[int] = None) -> int:
+def compile_programs(progs: list, threads: Optional[int] = None, optional: list = ()) -> int:
     """Compile ``progs`` (jitted function, args, static kwargs) ahead of time, ``threads`` at a time (default: the
     machine's cores, at most COMPILE_THREADS): XLA compiles outside the GIL, so on a many-core host start-up takes a
     fraction of one compile after another (on the H200 machine the server's ~50 programs had not compiled in 190 s,
     one at a time). On a CPU the last program (the serving slots': the widest step of the largest batch bucket) is
     compiled first and prices the others in memory maps: a clear error (``check_map_budget``) instead of an abort in
-    the middle of start-up, then each compile waits for room (``MapGuard``). Returns the number of programs."""
+    the middle of start-up, then each compile waits for room (``MapGuard``). ``optional``: programs compiled with
+    them where the memory maps allow all of them, else none of them (the caller serves without: a smaller budget
+    is no error). Returns the number of programs compiled."""
     n = max(1, min(threads or (os.cpu_count() or 1), COMPILE_THREADS))
 
     def compile_one(prog) -> None:
@@ -199,15 +201,21 @@ def compile_programs(progs: list, threads: Optional[int] = None) -> int:
         fn.lower(*args, **kw).compile()
 
     before = memory_maps() if jax.default_backend() == "cpu" else None
-    rest, guard = progs, None
-    if before is not None and len(progs) > 1:
+    rest, guard, optional = progs, None, list(optional)
+    if before is not None and len(progs) + len(optional) > 1:
         compile_one(progs[-1])
         after = memory_maps()
         if after is not None:
             price = after[0] - before[0]
-            check_map_budget(len(progs) - 1, int(TYPICAL_SHARE * price), after[0], after[1])
-            guard = MapGuard(len(progs) - 1, price, read=memory_maps)
+            if optional:
+                try:
+                    check_map_budget(len(progs) + len(optional) - 1, int(TYPICAL_SHARE * price), after[0], after[1])
+                except MapBudgetError:
+                    optional = []
+            check_map_budget(len(progs) + len(optional) - 1, int(TYPICAL_SHARE * price), after[0], after[1])
+            guard = MapGuard(len(progs) + len(optional) - 1, price, read=memory_maps)
         rest = progs[:-1]
+    rest = rest + optional
 
     def compile_guarded(prog) -> None:
         if guard is None:
@@ -220,4 +228,4 @@ def compile_programs(progs: list, threads: Optional[int] = None) -> int:
 
     with concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="jdspark-compile") as pool:
         list(pool.map(compile_guarded, rest))
-    return len(progs)
+    return len(progs) + len(optional)

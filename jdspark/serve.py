@@ -366,6 +366,7 @@ def make_engine(a: argparse.Namespace):
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=a.prompt_buckets, prefill_chunk=a.prefill_chunk,
+                          insert_batch=a.insert_batch,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           multi_step_plain_max_batch=a.multi_step_plain_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
@@ -393,7 +394,8 @@ def main(argv=None) -> int:
 
     def warm():
         t0 = time.perf_counter()
-        print(f"[serve] compiling {len(backend.programs())} programs, several at a time", file=sys.stderr, flush=True)
+        n = len(backend.programs()) + len(backend.group_programs())
+        print(f"[serve] compiling {n} programs, several at a time", file=sys.stderr, flush=True)
         if backend.prefix is not None:
             mib = tree_bytes(backend.pool) / 2**20
             answers = "answers kept while idle" if backend.prefix_answers else "answers not kept"

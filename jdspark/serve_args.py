@@ -15,7 +15,7 @@ from jdspark import reasoning, tool_calls
 from jdspark.drafter import CHECKPOINT_WINDOW, parse_context_window
 from jdspark.graphs import COMPILE_CACHE_DIR
 from jdspark.logprobs import MAX_LOGPROBS
-from jdspark.slots import GUIDED_CLASSES, GUIDED_STATES, multi_step_plan
+from jdspark.slots import GUIDED_CLASSES, GUIDED_STATES, insert_batch_plan, multi_step_plan
 
 __all__ = ["MAX_REQUEST_BYTES", "parse_args"]
 
@@ -98,6 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the largest batch bucket a plain launch (width 1: --spec off, adaptive's plain steps; no "
                          "drafts to plan) runs --multi-step steps (0: every bucket); at least --multi-step-max-batch; "
                          "default: multi_step_plan's (every bucket)")
+    ap.add_argument("--insert-batch", type=int, default=None, metavar="K",
+                    help="requests admitted together prefill up to K at a time where their prompts share a bucket "
+                         "(one pass, no prefix-cache hit, images or prompt log-probabilities; jdspark.slot_insert); 1: "
+                         "each alone; default: jdspark.slots.insert_batch_plan (4)")
     ap.add_argument("--drafter-window", type=parse_context_window, default=CHECKPOINT_WINDOW, metavar="N|none",
                     help="the drafter reads only the last N context positions of each stream, from a ring buffer "
                          "(its memory and draft cost stop growing with the context; lossless either way); none: all "
@@ -189,6 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"{flag}: expected an int >= {low}, got {value}")
     if not 0 <= a.port <= 65535:
         ap.error(f"--port: expected 0..65535, got {a.port}")
+    a.insert_batch = insert_batch_plan(jax.default_backend()) if a.insert_batch is None else a.insert_batch
+    if a.insert_batch < 1:
+        ap.error(f"--insert-batch: expected an int >= 1 (1: each prompt alone), got {a.insert_batch}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
     if a.max_n < 1:

@@ -1,9 +1,10 @@
-"""The serving slots' two device programs (``jdspark.slots.SlotBackend`` builds their arguments and runs them):
+"""The serving slots' device programs (``jdspark.slots.SlotBackend`` builds their arguments and runs them):
 
     insert_row   prefill one prompt at batch 1 into a slot of the state (slot index traced, state donated)
+    insert_rows  prefill k prompts of one bucket together into k slots (``speculative.prefill_streams``)
     step_rows    ``steps`` speculative (or plain) steps of b rows at one verify width, ``jax.vmap`` over the rows
 
-``logprobs`` (static, both; None: not compiled in): the programs also return the committed tokens'
+``logprobs`` (static, all; None: not compiled in): the programs also return the committed tokens'
 ``jdspark.logprobs.TokenLogprobs`` with that many top entries. A step computes them only when a row of its batch
 asks (the host's per-row flag; ``jdspark.logprobs.when``), so a server compiled with them costs traffic that does
 not ask nothing but the branch (``docs/serving.md``, "Log-probabilities").
@@ -21,11 +22,11 @@ from jax.extend import core as jax_core
 
 from jdspark.graphs import merge_module
 from jdspark.sampling import Penalties, SamplingParams
-from jdspark.speculative import REQUEST_CONSTANT, plain_step, prefill_stream, spec_step
+from jdspark.speculative import REQUEST_CONSTANT, plain_step, prefill_stream, prefill_streams, spec_step
 from jdspark.stop_strings import MATCHED, advance_stops, no_stops
 from kimi import dispatch
 
-__all__ = ["insert_row", "step_rows", "HOST_COLUMNS", "SAMPLING_OFF", "STOP_IDS"]
+__all__ = ["buckets_up_to", "insert_row", "insert_rows", "step_rows", "HOST_COLUMNS", "SAMPLING_OFF", "STOP_IDS"]
 
 # a prefill's sampling settings (temperature, top_k, top_p, min_p): greedy, every filter off
 SAMPLING_OFF = (0.0, 0, 1.0, 0.0)
@@ -36,6 +37,15 @@ STOP_IDS = 4
 HOST_COLUMNS = ("slot", "top_k", "temperature", "top_p", "draft_cap", "logprobs", "repetition_penalty",
                 "frequency_penalty", "presence_penalty", "logit_controls", "min_p",
                 *(f"stop_id_{j}" for j in range(STOP_IDS)))
+
+
+def buckets_up_to(n: int, smallest: int = 1) -> tuple:
+    """Powers of two from ``smallest`` up to and including n."""
+    out, b = [], smallest
+    while b < n:
+        out.append(b)
+        b *= 2
+    return tuple(out + [n])
 
 
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "chunk", "logprobs", "penalties"),
@@ -66,6 +76,30 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
         row = dataclasses.replace(row, fsm=q, fsm_next=next_QC)
     row = no_stops(row, state, slot)  # a request's stop strings: ``stop_strings.set_stops`` after this
     state = jax.tree.map(lambda s, r: s.at[slot].set(r), state, row)
+    return (state, first, *lp)
+
+
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_len", "logprobs", "penalties"),
+                   donate_argnames=("state",))
+def insert_rows(t_graph, d_graph, t_state, d_state, state, slots_k, prompt_kP, lens_k, key_data_k2, temp_k, top_k_k,
+                top_p_k, min_p_k, penalties_k3, controls=None, grammar=None, first_allowed_kV=None, *, max_len,
+                logprobs: Optional[int] = None, penalties: bool = True):
+    """``insert_row`` of k prompts of one bucket at once, into the k distinct slots ``slots_k``: (state, first tokens
+    [k, 1]) and, with ``logprobs``, their ``TokenLogprobs`` [k, ...]. One pass each (no chunks, no images, no
+    prompt log-probabilities: those insert one at a time). Per-row arguments as ``insert_row``'s with a leading k
+    axis; ``key_data_k2`` the rows' ``jax.random.key_data`` (uint32 [k, 2]), wrapped here."""
+    target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
+    keys_k = jax.random.wrap_key_data(key_data_k2)
+    sp = SamplingParams.rows(temp_k, top_k_k, top_p_k, min_p_k)
+    pen = Penalties.rows(penalties_k3[:, 0], penalties_k3[:, 1], penalties_k3[:, 2]) if penalties else None
+    rows, first, *lp = prefill_streams(target, drafter, prompt_kP, lens_k, keys_k, sp, max_len, logprobs=logprobs,
+                                       penalties=pen, controls=controls if penalties else None, grammar=grammar,
+                                       first_allowed_kV=first_allowed_kV)
+    if rows.fsm is not None:  # each slot's automaton in the slots' numbering (``slot_automaton``)
+        q, next_kQC = jax.vmap(slot_automaton)(rows.fsm, rows.fsm_next, slots_k)
+        rows = dataclasses.replace(rows, fsm=q, fsm_next=next_kQC)
+    rows = jax.vmap(no_stops, in_axes=(0, None, 0))(rows, state, slots_k)
+    state = jax.tree.map(lambda s, r: s.at[slots_k].set(r), state, rows)
     return (state, first, *lp)
 
 

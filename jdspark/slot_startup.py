@@ -8,6 +8,7 @@ the one place a launch and its ahead-of-time compile name the same program.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Optional
 
@@ -18,7 +19,7 @@ from jdspark.adaptive import CostTable
 from jdspark.engine import SamplingRequest
 from jdspark.graphs import compile_programs
 from jdspark.prefix import extend, snapshot
-from jdspark.slot_programs import SAMPLING_OFF, insert_row, step_rows
+from jdspark.slot_programs import SAMPLING_OFF, insert_row, insert_rows, step_rows
 from jdspark.stop_strings import set_stops
 from kimi import dispatch
 
@@ -29,9 +30,10 @@ class StartUp:
     """``programs``, ``compile_all`` and ``warm_up`` of ``SlotBackend``."""
 
     def programs(self) -> list:
-        """Every program serving runs, as (jitted function, args, static kwargs): each text prompt bucket's insert
-        and each (batch bucket, width, draft cap program, steps per launch) step. (An image prompt's insert, whose
-        features come from the vision tower, compiles in ``warm_up``'s runs.)"""
+        """Every program serving needs, as (jitted function, args, static kwargs): each text prompt bucket's insert
+        and each (batch bucket, width, draft cap program, steps per launch) step (the optional group inserts:
+        ``group_programs``). (An image prompt's insert, whose features come from the vision tower,
+        compiles in ``warm_up``'s runs.)"""
         out = []
         for P in self.prompt_buckets:
             padded = np.full((1, P), self.cfg.bos_token_id, np.int32)
@@ -52,11 +54,38 @@ class StartUp:
                         out.append((step_rows, *self._step_args(rows, w, k, caps=np.full(b, float(cap)))))
         return out
 
+    def group_programs(self) -> list:
+        """The group inserts ``programs()`` leaves out, as it lists them: each (one-pass prompt bucket, group size in
+        ``group_sizes``). Optional at start-up: where the memory maps would not hold them beside the rest,
+        ``compile_all`` leaves them out and the backend inserts one prompt at a time."""
+        return [(insert_rows, *self._group_args(P, k)) for P in self.prompt_buckets
+                if dispatch.prefill_chunk(P, self.prefill_chunk) is None for k in self.group_sizes()]
+
+    def _group_args(self, P: int, k: int) -> tuple:
+        """``insert_rows``' arguments for k prompts of bucket P (BOS only), the prefix cache not asked (its
+        counters are the traffic's)."""
+        kept, self.prefix = self.prefix, None
+        try:
+            preps = [self._prepare(s, SamplingRequest(tuple([self.cfg.bos_token_id] * P), 1)) for s in range(k)]
+        finally:
+            self.prefix = kept
+        return self._rows_args(preps)
+
     def compile_all(self, threads: Optional[int] = None) -> int:
-        """Compile ``programs()`` ahead of time, ``threads`` at a time under the memory-map guard
-        (``graphs.compile_programs``); a jitted call of the same arguments afterwards reuses the executable (it
-        traces, no compile: ``tests/jdspark/test_slots.py``). Returns the number of programs."""
-        return compile_programs(self.programs(), threads)
+        """Compile ``programs()`` and the group inserts (``group_programs``) ahead of time, ``threads`` at a time
+        under the memory-map guard (``graphs.compile_programs``); a jitted call of the same arguments afterwards
+        reuses the executable (it traces, no compile: ``tests/jdspark/test_slots.py``). Where the memory maps
+        would not hold the group inserts too (the default server's 4 prompt buckets on a CPU: 62 programs, ~67k
+        maps against Linux's default limit of 65530), they are left out and ``insert_batch`` falls to 1, said on
+        stderr. Returns the number of programs compiled."""
+        groups = self.group_programs()
+        n = compile_programs(self.programs(), threads, optional=groups)
+        if groups and n < len(self.programs()) + len(groups):
+            print(f"[slots] batched inserts off: their {len(groups)} programs would not fit this system's memory "
+                  f"maps beside the other {n} (vm.max_map_count; fewer --prompt-buckets or a higher limit keeps them)",
+                  file=sys.stderr, flush=True)
+            self.insert_batch = 1
+        return n
 
     def warm_up(self, reps: int = 5) -> dict:
         """Compile every prompt bucket's insert and every (batch bucket, width) step before serving; with adaptive
@@ -75,6 +104,8 @@ class StartUp:
         kept, self.prefix = self.prefix, None  # each bucket's own insert runs (a longer all-BOS prompt would hit)
         for P in self.prompt_buckets:
             self.insert(0, SamplingRequest(tuple([bos] * P), 1))
+            for k in self.group_sizes():  # each group size's insert (compiled above where the bucket is one pass)
+                list(self.insert_many([(s, SamplingRequest(tuple([bos] * P), 1)) for s in range(k)]))
             if self.cfg.vision is not None:  # the image prompts' program of this bucket (features as zeros)
                 self._prefill(0, np.full((1, P), bos, np.int32), P, 0, SAMPLING_OFF,
                               jnp.zeros((P, self.cfg.hidden_size), jnp.float32), None)

@@ -10,7 +10,8 @@ anchor, RNG key), plus per-slot sampling parameters and draft caps on the host. 
     MLA and drafter lengths per row: batch 1 inside the map)
 
 ``insert`` prefills one prompt at batch 1 (its length bucketed) and writes the row into its slot (slot index
-traced, state donated). Every (bucket, width) program is compiled by ``warm_up()`` (``jdspark.slot_startup``)
+traced, state donated); ``insert_many`` prefills requests admitted together up to ``insert_batch`` at a time
+(``jdspark.slot_insert``). Every (bucket, width) program is compiled by ``warm_up()`` (``jdspark.slot_startup``)
 before the server says ready.
 
 Multi-step scheduling (vLLM's ``num_scheduler_steps``): at batch buckets <= ``multi_step_max_batch`` one launch may
@@ -51,18 +52,18 @@ from jdspark.adaptive import CostTable, SurvivalTracker, expected_by_width, next
 from jdspark.engine import SamplingRequest, StepOutput
 from jdspark.graphs import split_module
 from jdspark.logprobs import host_entries
-from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, extend, pool_like, snapshot, tree_bytes
+from jdspark.prefix import PREFIX_MIN_TOKENS, PrefixPool, default_pool_rows, pool_like, snapshot, tree_bytes
 from jdspark.sampling import Penalties, SamplingParams
 from jdspark.serving_copy import serving_pair
-from jdspark.slot_inputs import controls_input, first_token_input, grammar_input
-from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, insert_row, step_rows
+from jdspark.slot_insert import Inserts
+from jdspark.slot_programs import STOP_IDS, buckets_up_to, step_rows
 from jdspark.slot_startup import StartUp
 from jdspark.speculative import prefill_stream, verify_width
-from jdspark.stop_strings import STOP_CLASSES, STOP_STATES, set_stops
+from jdspark.stop_strings import STOP_CLASSES, STOP_STATES
 from kimi import dispatch
 from kimi.prefill import chunked_positions
 
-__all__ = ["SlotBackend", "buckets_up_to"]
+__all__ = ["SlotBackend", "buckets_up_to", "insert_batch_plan", "multi_step_plan"]
 
 # Adaptive verification re-times a width the scheduler has not picked at a batch bucket for this many of its steps
 # (two steps at that width: only the second is timed, see SlotBackend.collect), or more where the re-timings of
@@ -89,13 +90,6 @@ GUIDED_CLASSES = 512
 GUIDED_STATES = 1024
 
 
-def _scalars(samp) -> tuple:
-    """(temperature, top_k, top_p, min_p) as the NumPy scalars the insert programs take (converted by the call
-    itself: a ``jnp`` scalar is a device dispatch of its own)."""
-    t, k, p, m = samp
-    return np.float32(t), np.int32(k), np.float32(p), np.float32(m)
-
-
 def multi_step_plan(platform: str) -> tuple:
     """The server's default (steps per launch, largest batch bucket launched so; 0: every bucket) on ``platform``
     (``jax.default_backend()``), and the largest bucket a plain launch (width 1) runs so (0: every bucket). The CPU: (4,
@@ -108,16 +102,17 @@ def multi_step_plan(platform: str) -> tuple:
     return (4, MULTI_STEP_MAX_BATCH, MULTI_STEP_PLAIN_MAX_BATCH) if platform == "cpu" else (8, 0, 0)
 
 
-def buckets_up_to(n: int, smallest: int = 1) -> tuple:
-    """Powers of two from ``smallest`` up to and including n."""
-    out, b = [], smallest
-    while b < n:
-        out.append(b)
-        b *= 2
-    return tuple(out + [n])
+def insert_batch_plan(platform: str) -> int:
+    """The server's default ``insert_batch`` (requests admitted together whose prompts share a bucket prefill up to
+    this many at a time, ``jdspark.slot_insert``) on ``platform``: 4. On this CPU, the shipped pair's inserts of 8
+    held-out code prompts (bucket 128) cost 13.5 / 11.5 / 10.3 / 11.4 ms a prompt (median of 6 rounds) one / two /
+    four / eight at a time (docs/serving.md, "Batched inserts"). Not measured off the CPU. Where the memory maps
+    would not hold the group inserts' programs (a CPU server with 4 prompt buckets), start-up leaves them out
+    (``SlotBackend.compile_all``)."""
+    return 4
 
 
-class SlotBackend(StartUp):
+class SlotBackend(StartUp, Inserts):
     """``Backend`` of ``jdspark.engine`` over a target (and optional DSpark drafter)."""
 
     def __init__(self, target, drafter=None, *, num_slots: int = 4, max_len: int = 1024,
@@ -130,7 +125,7 @@ class SlotBackend(StartUp):
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
                  max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0,
                  guided_classes: int = GUIDED_CLASSES, stop_states: int = STOP_STATES,
-                 stop_classes: int = STOP_CLASSES):
+                 stop_classes: int = STOP_CLASSES, insert_batch: int = 1):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -155,6 +150,12 @@ class SlotBackend(StartUp):
                              f"max_len ({self.max_len})")
         self.batch_buckets = tuple(batch_buckets or buckets_up_to(self.num_slots))
         self.prefill_chunk = prefill_chunk  # issue 18: long prompt buckets prefill in chunks (kimi.dispatch)
+        # requests admitted together: up to this many of one prompt bucket prefill as one batch (``insert_many``;
+        # 1: each alone). The server's default: ``insert_batch_plan``
+        if isinstance(insert_batch, bool) or not isinstance(insert_batch, int) or insert_batch < 1:
+            raise ValueError(f"insert_batch: expected an int >= 1 (1: each prompt alone), got {insert_batch!r}")
+        self.insert_batch = insert_batch
+        self.insert_groups: collections.Counter = collections.Counter()  # prompts prefilled together -> groups
         for P in self.prompt_buckets:
             c = dispatch.prefill_chunk(P, prefill_chunk)
             if c is not None and chunked_positions(P, c) + self.G + 1 > self.max_len:
@@ -236,161 +237,6 @@ class SlotBackend(StartUp):
         self.launch_steps: collections.Counter = collections.Counter()  # launches per steps-per-launch
 
     # ------------------------------------------------------------------ Backend
-    def prompt_bucket(self, n: int) -> int:
-        for b in self.prompt_buckets:
-            if n <= b:
-                return b
-        raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})")
-
-    def extension_bucket(self, kept: int, n: int) -> Optional[int]:
-        """The prompt bucket that prefills tokens kept .. n - 1 on a kept prompt of ``kept`` tokens (its padded
-        chunk must fit the cache after them), or None."""
-        E = next((b for b in self.prompt_buckets if b >= n - kept), None)
-        return E if E is not None and kept + E <= self.max_len else None
-
-    def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
-        n = len(req.prompt_ids)
-        if n + req.max_tokens + self.G + 1 > self.max_len:
-            raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) + a block ({self.G + 1}) exceed the "
-                             f"slots' cache of {self.max_len} positions")
-        mode = req.spec_mode or ("adaptive" if self.adaptive else "fixed")
-        if mode not in ("fixed", "adaptive"):
-            raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
-        if mode == "adaptive" and not self.adaptive:
-            raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
-        # prefix caching: text prompts only, and not constrained ones (a kept row holds no automaton of its own)
-        keep = self.prefix is not None and req.images is None and req.grammar is None
-        top, ptop = (-1 if x is None else int(x) for x in (req.logprobs, req.prompt_logprobs))
-        if max(top, ptop) > (-1 if self.max_logprobs is None else self.max_logprobs):
-            raise ValueError(f"logprobs: {max(top, ptop)} top entries asked; this backend serves "
-                             + ("none" if self.max_logprobs is None else f"at most {self.max_logprobs}"))
-        # the prompt's log-probabilities come from a fresh one-pass prefill (a cache hit skips the kept tokens)
-        hit = (self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None)
-               if keep and ptop < 0 else None)
-        cached = hit[1] if hit is not None else 0
-        if hit is None and n > self.prompt_buckets[-1]:
-            raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})"
-                             + (" and begins with no prompt the prefix cache keeps" if keep else ""))
-        P = self.prompt_bucket(n - cached)  # a hit prefills only the tokens after the kept prompt
-        # (a multi-step launch may step a row past its request's end: those positions are written only after the
-        # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
-        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
-        padded[0, :n - cached] = req.prompt_ids[cached:]
-        media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
-        cap = self.G if req.speculative else 0
-        # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
-        chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-        if not 0.0 <= req.min_p <= 1.0:
-            raise ValueError(f"min_p: expected in [0, 1] (0: off), got {req.min_p}")
-        top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
-        pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
-        if (pen != (1.0, 0.0, 0.0) or req.has_controls) and not self.penalties:
-            raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens, allowed_token_ids: "
-                             "this backend was "
-                             "built without them (SlotBackend(penalties=True); the server's --penalties)")
-        controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
-        grammar = self._grammar(req)
-        first_V = self._first(req)
-        stops = list(req.stop_token_ids)[:STOP_IDS] if not req.min_tokens else []  # more: the launch runs them all
-        self.params[slot] = (req.temperature, top_k, req.top_p, cap, top, *pen, req.has_controls, req.min_p,
-                             *stops, *[-1] * (STOP_IDS - len(stops)))
-        samp = (req.temperature, top_k, req.top_p, req.min_p)
-        self.modes[slot] = mode
-        self.tracker.reset(slot)
-        self.inserts[slot] += 1
-        if hit is None:
-            first, lp = self._prefill(slot, padded, n, req.seed, samp, media, chunk,
-                                       ptop >= 0, pen, controls, grammar, first_V)
-        else:
-            first, lp = self._extend(slot, hit[0], padded, n - cached, req.seed, samp, pen, controls, first_V)
-        self._set_stops(slot, req)
-        row = self.prefix.store(req.prompt_ids) if keep else None
-        if row is not None:  # the state after this prompt, for the prompts that will begin with it
-            self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
-        entries = prompt = None
-        if max(top, ptop) >= 0:
-            lp_first, lp_prompt = jax.device_get(lp)
-            if top >= 0:
-                entries = host_entries(lp_first.chosen_K, lp_first.top_ids_KL, lp_first.top_KL, 1, top)
-            if ptop >= 0:  # the first prompt token has none (nothing before it)
-                prompt = [None] + host_entries(lp_prompt.chosen_K, lp_prompt.top_ids_KL, lp_prompt.top_KL, n - 1,
-                                               ptop, lp_prompt.rank_K)  # with each prompt token's rank
-        return StepOutput([int(np.asarray(first)[0])], cached=cached, logprobs=entries, prompt_logprobs=prompt)
-
-    def _set_stops(self, slot: int, req: SamplingRequest) -> None:
-        """The request's stop strings on the device (after its insert, which leaves the slot with none), where its
-        automaton (``SamplingRequest.stop_fsm``: the engine's, none under min_tokens) fits the slot's tables."""
-        if req.stop_fsm is None or not self.stop_states or req.min_tokens:
-            return
-        tables = req.stop_fsm.device_tables(self.stop_states, self.stop_classes, self.cfg.vocab_size)
-        self.stops_on_device["set" if tables is not None else "too_large"] += 1
-        if tables is not None:
-            self.state = set_stops(self.state, np.int32(slot), *tables)
-
-    def _controls(self, req: Optional[SamplingRequest] = None):
-        return controls_input(self.cfg.vocab_size, req, self.penalties)  # (``jdspark.slot_inputs``)
-
-    def _grammar(self, req: Optional[SamplingRequest] = None):
-        return grammar_input(self.cfg.vocab_size, self.guided_states, self.guided_classes, req)
-
-    def _first(self, req: Optional[SamplingRequest] = None):
-        return first_token_input(self.cfg.vocab_size, req)
-
-    def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                penalties=(1.0, 0.0, 0.0), controls=None, first_V=None):
-        """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
-        (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
-        else None)."""
-        self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, samp, penalties, controls,
-                                                           first_V), **self._extend_kw())
-        return first, (lp[0] if lp else None)
-
-    def _extend_kw(self) -> dict:
-        return dict(logprobs=self.max_logprobs, penalties=self.penalties)
-
-    def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                     penalties=(1.0, 0.0, 0.0), controls=None, first_V=None) -> tuple:
-        """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
-        return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
-                np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
-                np.asarray(penalties, np.float32),
-                self._controls() if controls is None else controls, self._first() if first_V is None else first_V)
-
-    def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
-                 penalties=(1.0, 0.0, 0.0), controls=None, grammar=None, first_V=None):
-        """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
-        go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
-        ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
-        args, kw = self._insert_args(slot, padded_1P, n, seed, samp, media_PD, chunk, prompt_logprobs, penalties,
-                                     controls, grammar, first_V)
-        self.state, first, *lp = insert_row(*args, **kw)
-        return first, (lp[0] if lp else None)
-
-    def _insert_args(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk,
-                     prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None,
-                     grammar=None, first_V=None) -> tuple:
-        """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
-        want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
-        return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
-                 np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
-                 np.asarray(penalties, np.float32), media_PD, want,
-                 self._controls() if controls is None else controls,
-                 self._grammar() if grammar is None else grammar, self._first() if first_V is None else first_V),
-                dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
-
-    def _media(self, req: SamplingRequest, P: int):
-        """The request's image features padded to [P, D] (rows past its M placeholders unused), or None for a
-        text prompt. Encoded by the checkpoint's own target (fp32, as ``jdspark.generate(images=...)``): the
-        vision tower compiles once per distinct image grid, outside the slots' programs."""
-        if req.images is None:
-            return None
-        if self.cfg.vision is None:
-            raise ValueError("images: this checkpoint is text-only (its config has no vision_config)")
-        feats = np.asarray(self.source.image_features(np.asarray(req.prompt_ids), req.images), np.float32)
-        out = np.zeros((P, feats.shape[1]), np.float32)
-        out[:feats.shape[0]] = feats
-        return jnp.asarray(out)
-
     def choose_width(self, slots: Sequence[int]) -> int:
         """The verify width of the next step of ``slots`` (see the module docstring)."""
         caps = self.params[list(slots), 3].astype(np.int64)

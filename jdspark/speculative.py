@@ -176,15 +176,12 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     dcache = drafter.init_cache(1, max_len) if drafter is not None else None
     prompt_lp = None
     with_prompt = logprobs is not None and want_prompt_logprobs is not None
-    if chunk is None:  # on a cache of the prompt's length, padded after (KimiCache.padded_to)
-        pre = target.forward(prompt_1P, KimiCache.init(target.config, 1, min(P, max_len)), mode="prefill",
-                             tap_layers=taps, valid_len_B=valid, media_MD=media_MD)
-        # the LM head on the last valid position alone (the prompt's [P, V] logits only for prompt log-probabilities)
-        h_PD = pre.last_hidden[0]
-        last_logits = target.logits_from_hidden(jax.lax.dynamic_slice_in_dim(h_PD, prompt_len - 1, 1))[0]
-        cache = pre.cache.padded_to(max_len)
+    if chunk is None:
+        cache, taps_1PX, h_1PD = prefill_rows(target, prompt_1P, valid, max_len, taps, media_MD)
+        h_PD = h_1PD[0]
+        last_logits = _last_logits(target, h_PD, prompt_len)
         if drafter is not None:
-            dcache = drafter.append_context(dcache, pre.taps, prompt_len, start_pos=0)
+            dcache = drafter.append_context(dcache, taps_1PX, prompt_len, start_pos=0)
         if with_prompt:
             next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
             prompt_lp = when(want_prompt_logprobs, lambda: target.logits_from_hidden(h_PD), next_P, logprobs,
@@ -208,6 +205,30 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
                                              taps_init=dcache, logits_fn=prompt_entries if with_prompt else None)
         last_1V, prompt_lp = (got[0], jax.tree.map(lambda x: x[0], got[1])) if with_prompt else (got, None)
         last_logits = last_1V[0]
+    row, first, *lp = _start(cache, dcache, last_logits, prompt_1P, prompt_len, key, sp, logprobs, penalties,
+                             controls, grammar, first_allowed_V)
+    return (row, first, (lp[0], prompt_lp)) if logprobs is not None else (row, first)
+
+
+def prefill_rows(target, prompt_BP, valid_B, max_len: int, taps=(), media_MD=None):
+    """One pass over B right-padded prompts [B, P] (row b's first ``valid_B[b]`` tokens valid) on a cache of the
+    prompt bucket's length, padded to ``max_len`` after (``KimiCache.padded_to``: the attention scores the prompt's
+    keys, not the whole cache's): (cache [B], taps [B, P, X] or None, last hidden [B, P, D])."""
+    B, P = prompt_BP.shape
+    pre = target.forward(prompt_BP, KimiCache.init(target.config, B, min(P, max_len)), mode="prefill",
+                         tap_layers=taps, valid_len_B=valid_B, media_MD=media_MD)
+    return pre.cache.padded_to(max_len), pre.taps, pre.last_hidden
+
+
+def _last_logits(target, h_PD, prompt_len):
+    """[V]: the LM head on the last valid position alone (a prompt's [P, V] logits only for its log-probabilities)."""
+    return target.logits_from_hidden(jax.lax.dynamic_slice_in_dim(h_PD, prompt_len - 1, 1))[0]
+
+
+def _start(cache, dcache, last_logits, prompt_1P, prompt_len, key, sp: SamplingParams, logprobs, penalties,
+           controls, grammar, first_allowed_V):
+    """A prefilled stream's first token and its Stream (what ``prefill_stream`` and ``prefill_streams`` share):
+    (Stream, first [1]) and, with ``logprobs``, the first token's ``TokenLogprobs``."""
     if first_allowed_V is not None:
         last_logits = jnp.where(first_allowed_V, last_logits, -jnp.inf)
     k0, key = rng.split(key)
@@ -221,8 +242,35 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     first = sample(k0, penalized(last_logits[None], row, jnp.zeros((0,), jnp.int32), penalties), sp)
     row = _first(row, first)
     if logprobs is not None:
-        return row, first, (token_logprobs(last_logits[None], first, logprobs), prompt_lp)
+        return row, first, token_logprobs(last_logits[None], first, logprobs)
     return row, first
+
+
+def prefill_streams(target, drafter, prompt_kP, lens_k, keys_k, sp: SamplingParams, max_len: int,
+                    logprobs: Optional[int] = None, penalties: Optional[Penalties] = None,
+                    controls: Optional[LogitControls] = None, grammar=None, first_allowed_kV=None):
+    """``prefill_stream`` of k prompts at once (one pass, no images, no prompt log-probabilities): the target
+    prefills the k right-padded prompts [k, P] as one batch (``prefill_rows``: its matmuls read the weights once
+    for k prompts), then each row's drafter context and first token as ``prefill_stream`` makes them, mapped over
+    the rows. Returns (Streams stacked over a leading axis of k, each batch 1 inside; first tokens [k, 1]) and,
+    with ``logprobs``, the first tokens' ``TokenLogprobs`` [k, ...]. Per-row arguments carry a leading k axis:
+    ``lens_k``, ``keys_k``, ``sp`` (``SamplingParams.rows`` of [k] fields), ``penalties`` (``Penalties.rows``),
+    ``controls``, ``grammar``'s three arrays, ``first_allowed_kV``.
+
+    Each row equals its ``prefill_stream`` up to float rounding (XLA may sum a batch's rows in another order)."""
+    taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
+    lens_k = lens_k.astype(jnp.int32)
+    cache_k, taps_kPX, h_kPD = prefill_rows(target, prompt_kP, lens_k, max_len, taps)
+
+    def one(cache_1, taps_PX, h_PD, prompt_P, n, key, sp1, pen, ctrl, gram, first_V):
+        dcache = None
+        if drafter is not None:
+            dcache = drafter.append_context(drafter.init_cache(1, max_len), taps_PX[None], n, start_pos=0)
+        return _start(cache_1, dcache, _last_logits(target, h_PD, n), prompt_P[None], n, key, sp1, logprobs,
+                      pen, ctrl, gram, first_V)
+
+    return jax.vmap(one)(cache_k.rows(), taps_kPX, h_kPD, prompt_kP, lens_k, keys_k, sp, penalties, controls,
+                         grammar, first_allowed_kV)
 
 
 def _first(row: Stream, first_1) -> Stream:

@@ -59,6 +59,15 @@ class KimiCache:
         pad = ((0, 0), (0, 0), (0, max_len - S), (0, 0))
         return dataclasses.replace(self, mla_ckv=jnp.pad(self.mla_ckv, pad), mla_kpe=jnp.pad(self.mla_kpe, pad))
 
+    def rows(self) -> "KimiCache":
+        """The B rows as B batch-1 caches stacked on a new leading axis (kda_state [B, n_kda, 1, H, K, V], ...,
+        length [B, 1]): what ``jax.vmap`` over a batch's rows reads, one batch-1 cache a row."""
+        def split(x_LB):  # [layers, B, ...] -> [B, layers, 1, ...]
+            return jnp.moveaxis(x_LB, 1, 0)[:, :, None]
+
+        return KimiCache(split(self.kda_state), split(self.conv_state), split(self.mla_ckv), split(self.mla_kpe),
+                         self.length[:, None])
+
     @classmethod
     def abstract(cls, cfg: KimiConfig, batch_size: int, max_len: int) -> "KimiCache":
         """Shapes and dtypes only (nothing allocated)."""

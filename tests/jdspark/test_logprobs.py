@@ -71,7 +71,7 @@ def pair():
 def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
     target, drafter = pair
     be = SlotBackend(target, drafter, num_slots=2, max_len=96, prompt_buckets=(32,), batch_buckets=(2,),
-                     prefix_pool=2, prefix_min_tokens=8, max_logprobs=3, multi_step=2)
+                     prefix_pool=2, prefix_min_tokens=8, max_logprobs=3, multi_step=2, insert_batch=2)
     eng = Engine(be, ByteTokenizer(), eos_token_id=None, max_waiting=8).start()
     rng = np.random.default_rng(1)
     base = [1] + rng.integers(3, 64, 19).tolist()
@@ -88,20 +88,24 @@ def test_served_logprobs_equal_the_targets_prefill_of_the_whole_sequence(pair):
         # asked, read back by ``collect`` step by step
         ([1] + rng.integers(3, 64, 12).tolist(), 30, dict(), 2),
     ]
-    got = []
-    try:
-        for prompt, n, kw, top in asks:
-            events = []
-            req = eng.submit(Request(SamplingRequest(tuple(prompt), n, logprobs=top, **kw), events.append,
-                                     ignore_eos=True))
-            got.append((req, events))
+    got = [None] * len(asks)
+    try:  # the first and the third arrive together: one group insert (insert_batch), their first tokens' entries
+        for group in ([0, 2], [1], [3], [4], [5], [6], [7]):
+            reqs = []
+            for i in group:
+                prompt, n, kw, top = asks[i]
+                events = []
+                reqs.append(Request(SamplingRequest(tuple(prompt), n, logprobs=top, **kw), events.append,
+                                    ignore_eos=True))
+                got[i] = (reqs[-1], events)
+            eng.submit_all(reqs)
         deadline = time.time() + 300
         while not all(r.finished for r, _ in got):
             assert time.time() < deadline and eng.error is None, eng.error
             time.sleep(0.05)
     finally:
         eng.shutdown()
-    assert be.launch_steps[2] > 0 and be.launch_steps[1] > 0
+    assert be.launch_steps[2] > 0 and be.launch_steps[1] > 0 and be.insert_groups[2] >= 1
     assert got[1][0].cached_tokens == len(base)  # its first token came from the extension program
     assert got[5][0].cached_tokens == 0  # the prompt's log-probabilities: no cache hit
     drafted = sum(r.drafted for r, _ in got)

@@ -451,6 +451,12 @@ def test_server_flags_reach_the_slots(capsys):
         assert (backend.steps_at(8, 1), backend.steps_at(8, backend.G + 1)) == at8
     with pytest.raises(SystemExit):
         serve.parse_args(["--multi-step-plain-max-batch", "-1"])
+    # requests admitted together prefill up to --insert-batch at a time (default: the platform's plan, 4)
+    assert serve.parse_args([]).insert_batch == 4 and backend.insert_batch == 4
+    assert serve.make_engine(serve.parse_args(["--slots", "2", "--max-len", "256", "--prompt-buckets", "64",
+                                               "--insert-batch", "1"]))[1].insert_batch == 1
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--insert-batch", "0"])
     # --num-speculative-tokens N (vLLM's): the widest step verifies N drafts, fixed rows at it, adaptive up to it
     for flag, widths in ((["--spec", "fixed"], (1, 4)), ([], (1, 2, 4)), (["--num-speculative-tokens", "7"], None)):
         flags = ["--num-speculative-tokens", "3", *flag] if widths else flag

@@ -13,6 +13,7 @@ import os
 import time
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,11 +68,12 @@ def test_buckets():
 @pytest.fixture(scope="module")
 def backend(pair):
     """One 4-slot backend for the module (its programs compile once): verify widths 1, 4 and G + 1; multi-step
-    launches of 3 steps whenever the engine has no request waiting."""
+    launches of 3 steps whenever the engine has no request waiting; requests admitted together prefill two at a
+    time (``insert_batch``)."""
     target, drafter, _ = pair
     G = drafter.config.block_size
     return SlotBackend(target, drafter, num_slots=4, max_len=128, prompt_buckets=(64,), batch_buckets=(4,),
-                       adaptive=True, widths=(1, 4, G + 1), multi_step=3, multi_step_max_batch=4)
+                       adaptive=True, widths=(1, 4, G + 1), multi_step=3, multi_step_max_batch=4, insert_batch=2)
 
 
 def test_engine_outputs_equal_batch_one_generate(pair, backend):
@@ -86,17 +88,22 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
     eng = Engine(be, tok, eos_token_id=target.config.eos_token_id, max_waiting=32).start()
     prompts = _prompts(20, 60, target.config.vocab_size)
     reqs = []
+    be.insert_groups.clear()
     try:
         for i, p in enumerate(prompts):
             st = SETTINGS[i % 2]
             mode = "adaptive" if i < 10 else "fixed"  # the first half is served mostly among adaptive rows only
             sp = SamplingRequest(tuple(int(x) for x in p[:24 + (i * 7) % 37]), 8 + (i * 5) % (MAX_NEW - 7),
                                  seed=i, speculative=i % 4 != 3, spec_mode=mode, **st)
-            reqs.append(eng.submit(Request(sp, lambda ev: None)))
+            reqs.append(Request(sp, lambda ev: None))
+            if i in (0, 1, 2):  # the first three arrive together: admitted at once, two prefill as one batch
+                continue
+            eng.submit_all(reqs[:4] if i == 3 else reqs[-1:])
             time.sleep(0.02 * (i % 3))  # arrivals spread over the others' steps
         _wait_until_finished(eng, reqs, 900)
     finally:
         eng.shutdown()
+    assert be.insert_groups[2] >= 1, be.insert_groups  # (the fifth and later may join groups too)
     eos = target.config.eos_token_id  # EOS ends a request as "stop", also when it is the max_tokens-th token
     assert [r.finished for r in reqs] == ["stop" if r.output_ids[-1] == eos else "length" for r in reqs]
     assert all(len(r.output_ids) == r.sampling.max_tokens for r in reqs if r.finished == "length")
@@ -124,6 +131,44 @@ def test_engine_outputs_equal_batch_one_generate(pair, backend):
     assert len([w for w in be.width_counts if 1 < w < G + 1]) >= 1 and be.width_counts[G + 1] > 0
     # served both ways: 3 steps per launch while nothing waited, one per launch while arrivals queued
     assert be.launch_steps[3] > 0 and be.launch_steps[1] > 0, be.launch_steps
+
+
+def test_inserts_admitted_together(pair, backend):
+    """``insert_many``: a request it refuses yields its ValueError alone (its slot untouched); the others of one
+    prompt bucket prefill two at a time (``insert_batch``), the last alone, each yielded as it is done; each row
+    and first token as its insert alone makes them (up to float rounding: XLA sums a batch's rows in its own
+    order), the rows no group touched bit for bit."""
+    target, drafter, _ = pair
+    be = backend
+    ids = [tuple(int(x) for x in p[:20 + 9 * i]) for i, p in enumerate(_prompts(4, 60, target.config.vocab_size))]
+    reqs = [SamplingRequest(ids[0], 8, seed=1), SamplingRequest(ids[1], 200, seed=2),  # too long: refused
+            SamplingRequest(ids[2], 8, temperature=1.0, seed=3), SamplingRequest(ids[3], 8, seed=4)]
+    for s in range(4):
+        be.free(s)
+    alone = {}
+    for s, r in ((0, reqs[0]), (2, reqs[2]), (3, reqs[3])):
+        alone[s] = be.insert(s, r).tokens
+    rows_alone = jax.device_get(be.state)
+    for s in range(4):
+        be.free(s)
+    be.insert_groups.clear()
+    freed = be.params[1].copy()
+    got = list(be.insert_many(list(enumerate(reqs))))
+    assert [i for i, _ in got] == [1, 0, 2, 3]  # the refusal at once; 0 waits for 2, its partner; 3 last, alone
+    out = dict(got)
+    assert isinstance(out[1], ValueError) and "exceed the slots' cache" in str(out[1])
+    np.testing.assert_array_equal(be.params[1], freed)  # refused before its slot's bookkeeping
+    assert {s: out[s].tokens for s in (0, 2, 3)} == alone
+    assert dict(be.insert_groups) == {2: 1}
+    rows = jax.device_get(be.state)
+    for x, y in zip(jax.tree.leaves(rows_alone), jax.tree.leaves(rows)):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_array_equal(x[3], y[3])  # inserted alone both times
+        np.testing.assert_allclose(x[[0, 2]].astype(np.float64), y[[0, 2]].astype(np.float64), rtol=1e-5, atol=1e-5)
+    for s in range(4):
+        be.free(s)
 
 
 def test_multi_step_launch_equals_single_steps(pair, backend):
@@ -475,10 +520,11 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
 
     from jdspark import prefix
     from jdspark.slot_programs import insert_row as _insert
+    from jdspark.slot_programs import insert_rows as _rows
 
     target, drafter, _ = pair
     be = SlotBackend(target, drafter, num_slots=12, max_len=96, prompt_buckets=(16, 32), batch_buckets=(12,),
-                     widths=(1, drafter.config.block_size + 1), prefix_pool=3, prefix_min_tokens=8)
+                     widths=(1, drafter.config.block_size + 1), prefix_pool=3, prefix_min_tokens=8, insert_batch=4)
     events = []
     compiles = {"/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/compile_requests_use_cache"}
 
@@ -489,28 +535,40 @@ def test_warm_up_runs_what_compile_all_compiled(pair):
     monitoring.register_event_listener(on_event)
     monitoring.register_event_duration_secs_listener(on_event)
     try:
-        # 2 inserts and 2 extensions; the snapshot; a request's stop strings; width 1 twice (without and with the
-        # drafter's context); G + 1
-        assert len(be.programs()) == 9
-        assert be.compile_all(threads=2) == 9
+        # 2 inserts, 4 group inserts (2 and 4 prompts a bucket) and 2 extensions; the snapshot; a request's stop
+        # strings; width 1 twice (without and with the drafter's context); G + 1
+        assert be.group_sizes() == (2, 4) and len(be.programs()) == 9 and len(be.group_programs()) == 4
+        assert be.compile_all(threads=2) == 13 and be.insert_batch == 4
         # a compile request per program: through the persistent cache where it is on (tests/conftest.py), else
         # straight to XLA
         req = "/jax/compilation_cache/compile_requests_use_cache"
-        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 9
+        assert (events.count(req) or events.count("/jax/core/compile/backend_compile_duration")) >= 13
         del events[:]
         be.warm_up()
         assert events == [] and len(be.prefix) == 0
-        sizes = [f._cache_size() for f in (_insert, prefix.extend, prefix.snapshot)]
+        sizes = [f._cache_size() for f in (_insert, _rows, prefix.extend, prefix.snapshot)]
         a, b = tuple(range(3, 13)), tuple(range(60, 90))
         for ids in (a, b, a + tuple(range(20, 40)), b + (50,)):  # buckets 16 and 32, then their extensions
             be.insert(0, SamplingRequest(ids, 4))
         assert be.prefix.hits == len(a) + len(b)
+        # admitted together: prompts of a bucket prefill as groups of the compiled sizes (3: 2, then 1 alone; no
+        # compile); a prompt that begins with a waiting one lets it go first (alone) and finds it kept, a hit, as
+        # one at a time
+        be.insert_groups.clear()
+        hits = be.prefix.hits
+        list(be.insert_many([(0, SamplingRequest(tuple(range(30, 44)), 4)),
+                             (1, SamplingRequest(tuple(range(5, 17)), 4)),
+                             (5, SamplingRequest(tuple(range(60, 47, -1)), 4))]))
+        assert dict(be.insert_groups) == {2: 1} and be.prefix.hits == hits
+        f = tuple(range(40, 51))
+        list(be.insert_many([(2, SamplingRequest(f, 4)), (3, SamplingRequest(f + (7,), 4))]))
+        assert dict(be.insert_groups) == {2: 1} and be.prefix.hits == hits + len(f)
         be.insert(0, SamplingRequest(a, 4, stop_fsm=stop_fsm(("ab",), ByteTokenizer())))  # its automaton set
         assert be.stops_on_device["set"] == 1
         # token healing's first-token mask, on an insert and on a prefix-cache hit: the same programs
         be.insert(0, SamplingRequest(b[:-1], 4, first_token_ids=(5, 7)))
         be.insert(0, SamplingRequest(a + tuple(range(20, 31)), 4, first_token_ids=(9,)))
-        assert [f._cache_size() for f in (_insert, prefix.extend, prefix.snapshot)] == sizes and events == []
+        assert [f._cache_size() for f in (_insert, _rows, prefix.extend, prefix.snapshot)] == sizes and events == []
     finally:
         monitoring.unregister_event_listener(on_event)
         monitoring.unregister_event_duration_listener(on_event)
@@ -533,6 +591,28 @@ def test_compile_all_refuses_programs_past_the_memory_map_limit(backend, monkeyp
     with pytest.raises(RuntimeError, match=r"vm\.max_map_count.*--prompt-buckets"):
         backend.compile_all(threads=1)
     assert next(reads, None) is None  # both reads taken: the price came from a compile
+
+
+def test_compile_all_leaves_out_the_group_inserts_where_the_maps_would_not_hold_them(backend, monkeypatch, capsys):
+    """The group inserts are optional programs: where the memory maps would hold every other program but not them
+    too, ``compile_all`` compiles the others, says so, and the backend inserts one prompt at a time from then on
+    (the default server's 4 prompt buckets on a CPU: 62 programs would need ~67k maps of Linux's 65530)."""
+    from jdspark import graphs, slots
+    from jdspark.graphs import MAP_HEADROOM, TYPICAL_SHARE
+
+    n, g = len(backend.programs()), len(backend.group_programs())
+    assert backend.insert_batch == 2 and g == 1
+    monkeypatch.setattr(backend, "insert_batch", 2)  # restored after the test
+    limit = 2000 + (n - 1) * int(TYPICAL_SHARE * 1000) + MAP_HEADROOM  # the n fit exactly, n + 1 do not
+    reads = iter([(1000, limit)] + [(2000, limit)] * (2 * n + 2))
+    monkeypatch.setattr(graphs, "memory_maps", lambda: next(reads))
+    compiled = []
+    fake = types.SimpleNamespace(lower=lambda *a, **k: types.SimpleNamespace(compile=lambda: compiled.append(1)))
+    real = slots.SlotBackend.programs
+    monkeypatch.setattr(slots.SlotBackend, "programs", lambda self: [(fake, (), {})] * (n - 1) + real(self)[-1:])
+    assert backend.compile_all(threads=1) == n and len(compiled) == n - 1  # the priced one compiled for real
+    assert backend.insert_batch == 1 and backend.group_sizes() == ()
+    assert "batched inserts off: their 1 programs would not fit" in capsys.readouterr().err
 
 
 def test_compile_all_stops_before_a_compile_that_could_pass_the_limit(backend, monkeypatch):
