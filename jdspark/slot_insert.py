@@ -142,6 +142,7 @@ class Inserts:
         return buckets_up_to(k, 2) if k > 1 else ()
 
     def _shares_prefix(self, a: SamplingRequest, b: SamplingRequest) -> bool:
+        """Whether ``a``'s prompt could find ``b``'s kept: the two begin with the same prefix cache minimum."""
         m = self.prefix.min_tokens
         return len(a.prompt_ids) > m and len(b.prompt_ids) >= m and tuple(a.prompt_ids[:m]) == tuple(b.prompt_ids[:m])
 
@@ -233,19 +234,17 @@ class Inserts:
 
     def _rows_args(self, preps: Sequence[_Insert]) -> tuple:
         """``insert_rows``' arguments (one place for a group's insert and the ahead-of-time compile of it)."""
-        def stack(xs):
+        def stack(xs):  # per-row inputs (None where the programs carry none) with a leading k axis
             return None if xs[0] is None else jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *xs)
 
-        samp = np.asarray([_scalars(p.samp) for p in preps], np.float64).T
+        t, top_k, top_p, min_p = zip(*(p.samp for p in preps))
         keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(p.req.seed))) for p in preps])
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state,
                  np.asarray([p.slot for p in preps], np.int32), np.concatenate([p.padded for p in preps]),
-                 np.asarray([p.n - p.cached for p in preps], np.int32), keys, samp[0].astype(np.float32),
-                 samp[1].astype(np.int32), samp[2].astype(np.float32), samp[3].astype(np.float32),
-                 np.asarray([p.pen for p in preps], np.float32),
-                 stack([self._controls() if p.controls is None else p.controls for p in preps]),
-                 stack([self._grammar() if p.grammar is None else p.grammar for p in preps]),
-                 np.stack([self._first() if p.first_V is None else p.first_V for p in preps])),
+                 np.asarray([p.n - p.cached for p in preps], np.int32), keys, np.asarray(t, np.float32),
+                 np.asarray(top_k, np.int32), np.asarray(top_p, np.float32), np.asarray(min_p, np.float32),
+                 np.asarray([p.pen for p in preps], np.float32), stack([p.controls for p in preps]),
+                 stack([p.grammar for p in preps]), np.stack([p.first_V for p in preps])),
                 dict(max_len=self.max_len, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _finish_insert(self, prep: _Insert, first: int, lp_first, lp_prompt) -> StepOutput:
