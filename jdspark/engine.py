@@ -4,6 +4,7 @@ A ``Backend`` owns the device state of S slots and runs the model (``insert`` a 
 ``step`` every active slot once, ``free`` a slot). The ``Engine`` runs one host thread that
 
     admits waiting requests into free slots (FIFO; the queue is bounded: ``QueueFull`` when it is full),
+        (a backend with ``prefill_slice`` prefills a long prompt a slice a pass, between the other slots' steps)
     steps the backend, appends each slot's committed tokens to its request,
         (a backend with ``launch`` / ``collect`` is pipelined: step t + 1 is launched before step t's tokens are
         committed, so host work overlaps the device; a request that step t surely or likely ends by max_tokens
@@ -108,7 +109,9 @@ class Backend(Protocol):
 
     # optional: ``launch`` / ``collect`` / ``steps_for`` (pipelined, multi-step), ``keep_answer`` / ``idle_pending`` /
     # ``idle_step`` (work while nothing runs; see the module docstring), ``insert_many(pairs)`` (requests admitted
-    # together: yields (index, its StepOutput or the ValueError that refused it) as each is prefilled)
+    # together: yields (index, its StepOutput or the ValueError that refused it) as each is prefilled),
+    # ``slices_needed(req)`` / ``prefill_slice(slot, req)`` (a long prompt prefilled a slice at a time between steps;
+    # True once its ``insert`` will do the rest: ``Engine._slice``)
 
 
 @dataclasses.dataclass
@@ -206,6 +209,9 @@ class Engine:
         self.max_waiting, self.metrics = int(max_waiting), metrics
         self.waiting: collections.deque = collections.deque()
         self.slots: list = [None] * backend.num_slots  # slot -> Request
+        # [slot, request, slices done] whose prompts the backend prefills in slices (``prefill_slice``), oldest
+        # first: their slots are taken, and they join the steps once their insert has run
+        self.prefilling: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
         self._thread: Optional[threading.Thread] = None
@@ -316,6 +322,7 @@ class Engine:
                     req.admitted_at = time.monotonic()
                     if self.metrics:
                         self.metrics.queue_time(req.admitted_at - req.arrival)
+                admit = self._slice(admit)
                 for i, first in self._insert(admit):  # each as soon as it is prefilled
                     s, req = admit[i]
                     if isinstance(first, ValueError):  # this request cannot be served (e.g. too long): it alone ends
@@ -324,7 +331,9 @@ class Engine:
                         self._finish(req, "abort", error=str(first))
                         continue
                     self._commit(s, req, [first], prefill=True)
-                active = [s for s, r in enumerate(self.slots) if r is not None and r.finished is None]
+                slicing = {p[0] for p in self.prefilling}
+                active = [s for s, r in enumerate(self.slots)
+                          if r is not None and r.finished is None and s not in slicing]
                 if pipelined:  # launch this step, then commit the previous one's tokens while it computes
                     launched = None
                     active, steps = self._plan_launch(active, pending)
@@ -358,6 +367,43 @@ class Engine:
                 self.slots = [None] * len(self.slots)
                 self._gauges()
             raise
+
+    def _slice(self, admit: list) -> list:
+        """The admitted (slot, request) pairs to insert now. A backend with ``prefill_slice`` prefills a long prompt
+        in slices first (``slices_needed``): such a request waits in ``prefilling``, and each pass of the loop runs
+        one slice of the oldest, or the insert of one whose slices are done (the extension of its last slice,
+        which costs a slice: not in the same pass as that slice), then the step of the running slots, so their
+        streams wait for one slice at a time, not a whole prompt. That insert goes first (its last slice is the
+        most recently kept prompt, which it finds)."""
+        slicer = getattr(self.backend, "prefill_slice", None)
+        if slicer is None:
+            return admit
+        now = []
+        for s, req in admit:
+            if self.backend.slices_needed(req.sampling):
+                self.prefilling.append([s, req, False])
+            else:
+                now.append((s, req))
+        while self.prefilling:
+            s, req, done = self.prefilling[0]
+            if self.slots[s] is not req or req.finished is not None:  # cancelled (its slot freed) since
+                self.prefilling.popleft()
+                continue
+            if done:
+                self.prefilling.popleft()
+                now.insert(0, (s, req))
+                break
+            try:
+                self.prefilling[0][2] = slicer(s, req.sampling)
+            except ValueError as e:  # what its insert would refuse: it alone ends
+                self.prefilling.popleft()
+                with self._cv:
+                    self.slots[s] = None
+                self.backend.free(s)
+                self._finish(req, "abort", error=str(e))
+                continue
+            break
+        return now
 
     def _insert(self, admit: list):
         """Prefill the admitted (slot, request) pairs, yielding (index, its first ``StepOutput`` or the ValueError
@@ -401,8 +447,8 @@ class Engine:
             need[s] = left - k * rate
         if not any(n > 0 for n in need.values()):
             return [], 1
-        # several steps a launch only while no request waits for a slot
-        return list(need), (self.backend.steps_for(len(need)) if not self.waiting else 1)
+        # several steps a launch only while no request waits for a slot or for its prompt's next slice
+        return list(need), (self.backend.steps_for(len(need)) if not self.waiting and not self.prefilling else 1)
 
     def _free_cancelled(self) -> None:
         for s, r in enumerate(self.slots):

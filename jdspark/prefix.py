@@ -80,16 +80,17 @@ class PrefixPool:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def lookup(self, ids: Sequence[int], fits: Optional[Callable[[int], bool]] = None) -> Optional[tuple]:
+    def lookup(self, ids: Sequence[int], fits: Optional[Callable[[int], bool]] = None,
+               count: bool = True) -> Optional[tuple]:
         """(row, n) of the longest kept prompt that is a proper prefix of ``ids`` (n its tokens; at least one token
         of ``ids`` is left to prefill, whose logits give the first token) and for which ``fits(n)`` holds (the
-        caller's room for the rest), or None. A hit becomes most recent."""
+        caller's room for the rest), or None. A hit becomes most recent. ``count``: add to ``queries`` / ``hits``
+        (False for a prompt already counted: a long prompt's later slices and its insert, ``jdspark.slot_insert``)."""
         ids = tuple(int(t) for t in ids)
-        self.queries += len(ids)
         best = self._longest(ids, fits)
-        if best is None:
-            return None
-        self.hits += best[1]
+        if count:
+            self.queries += len(ids)
+            self.hits += 0 if best is None else best[1]
         return best
 
     def _longest(self, ids: tuple, fits) -> Optional[tuple]:
@@ -145,6 +146,17 @@ class PrefixPool:
         else:
             _, row = self.rows.popitem(last=False)
         self.rows[key] = row
+        return row
+
+    def rekey(self, ids: Sequence[int], longer: Sequence[int]) -> Optional[int]:
+        """The row keeping ``ids``, now to keep ``longer`` instead (most recent; the caller copies the state after
+        ``longer`` into it), or None where ``ids`` is no longer kept or ``longer`` is already: one row for a long
+        prompt's successive slices (``jdspark.slot_insert``), not one each."""
+        key, new = tuple(int(t) for t in ids), tuple(int(t) for t in longer)
+        if key not in self.rows or new in self.rows:
+            return None
+        row = self.rows.pop(key)
+        self.rows[new] = row
         return row
 
     def clear(self) -> None:

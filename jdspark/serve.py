@@ -366,7 +366,7 @@ def make_engine(a: argparse.Namespace):
     name = a.model_name or os.path.basename(os.path.normpath(a.checkpoint))
     backend = SlotBackend(target, drafter, num_slots=a.slots, max_len=a.max_len,
                           prompt_buckets=a.prompt_buckets, prefill_chunk=a.prefill_chunk,
-                          insert_batch=a.insert_batch,
+                          insert_batch=a.insert_batch, slice_tokens=a.prefill_slice,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           multi_step_plain_max_batch=a.multi_step_plain_max_batch or a.slots,
                           prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,

@@ -15,7 +15,7 @@ from jdspark import reasoning, tool_calls
 from jdspark.drafter import CHECKPOINT_WINDOW, parse_context_window
 from jdspark.graphs import COMPILE_CACHE_DIR
 from jdspark.logprobs import MAX_LOGPROBS
-from jdspark.slots import GUIDED_CLASSES, GUIDED_STATES, insert_batch_plan, multi_step_plan
+from jdspark.slots import GUIDED_CLASSES, GUIDED_STATES, insert_batch_plan, multi_step_plan, prefill_slice_plan
 
 __all__ = ["MAX_REQUEST_BYTES", "parse_args"]
 
@@ -112,6 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "at --max-len 1024); a prompt that begins with a kept one prefills only the rest, and may "
                          "then be longer than the largest prompt bucket (jdspark.prefix); 0: off; default: 32, fewer "
                          "where they would take more than 512 MiB (jdspark.prefix.default_pool_rows)")
+    ap.add_argument("--prefill-slice", type=int, default=None, metavar="TOKENS",
+                    help="with prefix caching, a prompt whose prefill would take more than TOKENS (one of the prompt "
+                         "buckets) is prefilled TOKENS at a time, the other streams stepping between slices (vLLM's "
+                         "chunked prefill), and a prompt longer than the largest bucket is served up to --max-len; "
+                         "0: off; default: the largest bucket up to 512 (jdspark.slots.prefill_slice_plan)")
     ap.add_argument("--no-prefix-answers", dest="prefix_answers", action="store_false",
                     help="with prefix caching, do not keep finished answers while idle (by default the engine, when "
                          "no request runs or waits, prefills each answer on its kept prompt, so a conversation's next "
@@ -198,6 +203,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--insert-batch: expected an int >= 1 (1: each prompt alone), got {a.insert_batch}")
     if a.prefix_pool is not None and a.prefix_pool < 0:
         ap.error(f"--prefix-pool: expected an int >= 0 (0: off), got {a.prefix_pool}")
+    if a.prefill_slice is None:
+        a.prefill_slice = 0 if a.prefix_pool == 0 else prefill_slice_plan(a.prompt_buckets)
+    elif a.prefill_slice and (a.prefill_slice not in a.prompt_buckets or a.prefix_pool == 0):
+        ap.error(f"--prefill-slice: expected 0 (off) or one of --prompt-buckets {','.join(map(str, a.prompt_buckets))}"
+                 f", with prefix caching on (not --prefix-pool 0); got {a.prefill_slice}")
     if a.max_n < 1:
         ap.error(f"--max-n: expected an int >= 1, got {a.max_n}")
     if a.max_logprobs < 0:

@@ -1,5 +1,5 @@
-"""The serving slots' inserts: a request's prompt prefilled into a free slot (``SlotBackend.insert``), and several
-admitted together prefilled as one batch (``insert_many``).
+"""The serving slots' inserts: a request's prompt prefilled into a free slot (``SlotBackend.insert``), several
+admitted together prefilled as one batch (``insert_many``), and a long one prefilled in slices (``prefill_slice``).
 
 A mixin of ``jdspark.slots.SlotBackend`` (split from it by concern: what a request's admission runs, not its steps).
 An insert is three parts: ``_prepare`` (every check and the slot's host bookkeeping; a bad request raises
@@ -13,6 +13,12 @@ weights once for the group (the shipped pair on this CPU, 128-token prompts: 13.
 a time, 10.3 four at a time; docs/serving.md, "Batched inserts"). The server's default: ``slots.insert_batch_plan``.
 A row prefilled in a group equals its prefill alone up to float rounding, not bit for bit (XLA:CPU compiles the two
 programs' sums differently), as a row stepped among others does (docs/serving.md, "Greedy outputs under batching").
+
+Long prompts in slices (``slice_tokens`` S): a prompt whose insert would prefill more than S tokens is prefilled S at
+a time into the prefix cache (``prefill_slice``), the engine stepping the running slots between slices
+(``jdspark.engine.Engine._slice``), and its insert is then a prefix-cache hit on the last slice: a long prompt stalls
+the other streams one slice at a time, and prompts past the largest bucket are served (docs/serving.md, "Long
+prompts in slices").
 """
 
 from __future__ import annotations
@@ -86,8 +92,72 @@ class Inserts:
         E = next((b for b in self.prompt_buckets if b >= n - kept), None)
         return E if E is not None and kept + E <= self.max_len else None
 
+    # ------------------------------------------------------------------ long prompts in slices
+    def slices_needed(self, req: SamplingRequest) -> bool:
+        """Whether ``req``'s prompt is prefilled in slices (``prefill_slice``, the engine stepping the other slots
+        between them) before its insert: slicing is on (``slice_tokens``), the prefix cache may serve the prompt
+        (text, no grammar, no prompt log-probabilities) and its insert would prefill more than ``slice_tokens``
+        tokens after the longest kept prompt it begins with."""
+        S = self.slice_tokens
+        if not S or not self._keeps(req) or req.prompt_logprobs is not None or len(req.prompt_ids) <= S:
+            return False
+        n = len(req.prompt_ids)
+        return self.prefix.lookup(req.prompt_ids, lambda m: n - m <= S and self.extension_bucket(m, n) is not None,
+                                  count=False) is None
+
+    def prefill_slice(self, slot: int, req: SamplingRequest) -> bool:
+        """Prefill the next slice (at most ``slice_tokens`` tokens) of ``req``'s prompt after the longest prefix of
+        it the prefix cache keeps, using ``slot`` (free until its insert) as scratch, and keep the result in the
+        prefix cache; True once ``insert(slot, req)`` will prefill the rest as one extension (a hit). ValueError,
+        at the first slice, for what ``insert`` would refuse.
+
+        Each slice starts from what the cache keeps, not from the slot: a launch of the largest batch bucket steps
+        every slot, this one too, and a kept row is copied whole into the slot by the next extension. A prompt of n
+        tokens (n > S) is cut as [0, S), [S, 2S), ... up to n - S, then [n - S, n) is the insert's own extension,
+        so every padded slice ends inside the cache (kept + its bucket <= n). Were a slice's row reused by another
+        prompt before the next (the least recently used row; the slices are the most recent), the next starts
+        from the longest prefix still kept: more work, the same prompt."""
+        S, ids, n = self.slice_tokens, tuple(int(t) for t in req.prompt_ids), len(req.prompt_ids)
+
+        def finishes(m):  # from m kept tokens, either another slice or the insert's extension does the rest
+            return n - m > S or self.extension_bucket(m, n) is not None
+
+        first = slot not in self.sliced
+        if first:
+            self._check(req)
+            self._controls(req), self._first(req)  # a bad bias or first-token set is refused before any work
+        hit = self.prefix.lookup(ids, finishes, count=first)
+        kept = 0 if hit is None else hit[1]
+        if first:  # the prompt tokens its client had kept (``StepOutput.cached``), and its last slice's end
+            self.sliced[slot] = (kept, None)
+        if n - kept <= S:
+            return True
+        end = min(kept + S, n - S)
+        P = self.prompt_bucket(end - kept)
+        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
+        padded[0, :end - kept] = ids[kept:end]
+        if hit is None:  # the prompt's first slice: a plain insert of it (its first token drawn greedily, dropped)
+            self._prefill(slot, padded, end, 0, SAMPLING_OFF, None, dispatch.prefill_chunk(P, self.prefill_chunk))
+        else:
+            self._extend(slot, hit[0], padded, end - kept, 0)
+        # the slice before this one's row now keeps this one (one row for all its slices), else a row of its own
+        own = kept == self.sliced[slot][1]
+        row = self.prefix.rekey(ids[:kept], ids[:end]) if own else self.prefix.store(ids[:end])
+        if row is not None:
+            self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
+        self.sliced[slot] = (self.sliced[slot][0], end)
+        self.slices += 1
+        # done before the engine's next launch is dispatched: queued behind it instead, the slice, the pool's copy
+        # and the launch ran slower together (a 512-token slice's pass ~280 ms of the streams' time, ~150 so)
+        jax.block_until_ready((self.state, self.pool))
+        return n - end <= S
+
     def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
-        prep = self._prepare(slot, req)
+        try:
+            prep = self._prepare(slot, req)
+        except ValueError:
+            self.sliced.pop(slot, None)
+            raise
         self._book(prep)
         return self._finish_insert(prep, *self._run_one(prep))
 
@@ -120,6 +190,7 @@ class Inserts:
             try:
                 prep = self._prepare(slot, req)
             except ValueError as e:
+                self.sliced.pop(slot, None)
                 yield i, e
                 continue
             self._book(prep)
@@ -150,27 +221,19 @@ class Inserts:
         """Every check of ``req`` (ValueError naming what is wrong; the slot as it was) and what its insert program
         takes; no bookkeeping (``_book``)."""
         n = len(req.prompt_ids)
-        if n + req.max_tokens + self.G + 1 > self.max_len:
-            raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) + a block ({self.G + 1}) exceed the "
-                             f"slots' cache of {self.max_len} positions")
-        mode = req.spec_mode or ("adaptive" if self.adaptive else "fixed")
-        if mode not in ("fixed", "adaptive"):
-            raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
-        if mode == "adaptive" and not self.adaptive:
-            raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
-        # prefix caching: text prompts only, and not constrained ones (a kept row holds no automaton of its own)
-        keep = self.prefix is not None and req.images is None and req.grammar is None
-        top, ptop = (-1 if x is None else int(x) for x in (req.logprobs, req.prompt_logprobs))
-        if max(top, ptop) > (-1 if self.max_logprobs is None else self.max_logprobs):
-            raise ValueError(f"logprobs: {max(top, ptop)} top entries asked; this backend serves "
-                             + ("none" if self.max_logprobs is None else f"at most {self.max_logprobs}"))
-        # the prompt's log-probabilities come from a fresh one-pass prefill (a cache hit skips the kept tokens)
-        hit = (self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None)
+        mode, top, ptop = self._check(req)
+        keep = self._keeps(req)
+        # the prompt's log-probabilities come from a fresh one-pass prefill (a cache hit skips the kept tokens);
+        # a prompt prefilled in slices was counted by the prefix cache at its first (``prefill_slice``)
+        hit = (self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None,
+                                  count=slot not in self.sliced)
                if keep and ptop < 0 else None)
         cached = hit[1] if hit is not None else 0
         if hit is None and n > self.prompt_buckets[-1]:
             raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})"
-                             + (" and begins with no prompt the prefix cache keeps" if keep else ""))
+                             + (" and begins with no prompt the prefix cache keeps" if keep else "")
+                             + ("; prefilled in slices it would be served (the server's --prefill-slice)"
+                                if keep and ptop < 0 and not self.slice_tokens else ""))
         P = self.prompt_bucket(n - cached)  # a hit prefills only the tokens after the kept prompt
         # (a multi-step launch may step a row past its request's end: those positions are written only after the
         # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
@@ -180,20 +243,44 @@ class Inserts:
         cap = self.G if req.speculative else 0
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it
         chunk = None if media is not None else dispatch.prefill_chunk(P, self.prefill_chunk)
-        if not 0.0 <= req.min_p <= 1.0:
-            raise ValueError(f"min_p: expected in [0, 1] (0: off), got {req.min_p}")
         top_k = min(int(req.top_k), self.cfg.vocab_size)  # k >= V keeps every token (as 0 does); int32 / float32 exact
         pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
-        if (pen != (1.0, 0.0, 0.0) or req.has_controls) and not self.penalties:
-            raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens, allowed_token_ids: "
-                             "this backend was "
-                             "built without them (SlotBackend(penalties=True); the server's --penalties)")
         controls = self._controls(req)  # before the slot's bookkeeping changes: a bad bias leaves the slot as it was
         grammar = self._grammar(req)
         first_V = self._first(req)
         samp = (req.temperature, top_k, req.top_p, req.min_p)
         return _Insert(slot, req, n, cached, hit, P, padded, media, chunk, top, ptop, keep, samp, pen, controls,
                        grammar, first_V, mode, cap)
+
+    def _check(self, req: SamplingRequest) -> tuple:
+        """The checks of ``req`` that do not depend on its slot or the prefix cache (ValueError naming what is wrong):
+        (its mode, its first token's top log-probabilities asked, its prompt's; -1: none)."""
+        n = len(req.prompt_ids)
+        if n + req.max_tokens + self.G + 1 > self.max_len:
+            raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) + a block ({self.G + 1}) exceed the "
+                             f"slots' cache of {self.max_len} positions")
+        mode = req.spec_mode or ("adaptive" if self.adaptive else "fixed")
+        if mode not in ("fixed", "adaptive"):
+            raise ValueError(f"spec_mode: expected 'fixed' or 'adaptive', got {mode!r}")
+        if mode == "adaptive" and not self.adaptive:
+            raise ValueError("spec_mode 'adaptive': this backend was built without adaptive verification")
+        top, ptop = (-1 if x is None else int(x) for x in (req.logprobs, req.prompt_logprobs))
+        if max(top, ptop) > (-1 if self.max_logprobs is None else self.max_logprobs):
+            raise ValueError(f"logprobs: {max(top, ptop)} top entries asked; this backend serves "
+                             + ("none" if self.max_logprobs is None else f"at most {self.max_logprobs}"))
+        if not 0.0 <= req.min_p <= 1.0:
+            raise ValueError(f"min_p: expected in [0, 1] (0: off), got {req.min_p}")
+        pen = (req.repetition_penalty, req.frequency_penalty, req.presence_penalty)
+        if (pen != (1.0, 0.0, 0.0) or req.has_controls) and not self.penalties:
+            raise ValueError("repetition / frequency / presence penalties, logit_bias, min_tokens, allowed_token_ids: "
+                             "this backend was "
+                             "built without them (SlotBackend(penalties=True); the server's --penalties)")
+        return mode, top, ptop
+
+    def _keeps(self, req: SamplingRequest) -> bool:
+        """Whether the prefix cache may serve and keep ``req``'s prompt: text prompts only, and not constrained ones
+        (a kept row holds no automaton of its own)."""
+        return self.prefix is not None and req.images is None and req.grammar is None
 
     def _book(self, prep: _Insert) -> None:
         """The slot's host bookkeeping for ``prep``'s request (sampling parameters, mode, survival tracker, insert
@@ -251,6 +338,7 @@ class Inserts:
         """After ``prep``'s program: its stop strings on the device, the prefix cache's copy of its prompt, its
         first token's (and prompt's) log-probabilities as the engine reads them."""
         slot, req, n = prep.slot, prep.req, prep.n
+        cached = self.sliced.pop(slot, (prep.cached,))[0]  # a prompt prefilled in slices: what was kept before them
         self._set_stops(slot, req)
         row = self.prefix.store(req.prompt_ids) if prep.keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
@@ -261,7 +349,7 @@ class Inserts:
         if prep.ptop >= 0:  # the first prompt token has none (nothing before it)
             prompt = [None] + host_entries(lp_prompt.chosen_K, lp_prompt.top_ids_KL, lp_prompt.top_KL, n - 1,
                                            prep.ptop, lp_prompt.rank_K)  # with each prompt token's rank
-        return StepOutput([first], cached=prep.cached, logprobs=entries, prompt_logprobs=prompt)
+        return StepOutput([first], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
     def _set_stops(self, slot: int, req: SamplingRequest) -> None:
         """The request's stop strings on the device (after its insert, which leaves the slot with none), where its

@@ -63,7 +63,7 @@ from jdspark.stop_strings import STOP_CLASSES, STOP_STATES
 from kimi import dispatch
 from kimi.prefill import chunked_positions
 
-__all__ = ["SlotBackend", "buckets_up_to", "insert_batch_plan", "multi_step_plan"]
+__all__ = ["SlotBackend", "buckets_up_to", "insert_batch_plan", "multi_step_plan", "prefill_slice_plan"]
 
 # Adaptive verification re-times a width the scheduler has not picked at a batch bucket for this many of its steps
 # (two steps at that width: only the second is timed, see SlotBackend.collect), or more where the re-timings of
@@ -80,6 +80,12 @@ MULTI_STEP_MAX_BATCH = 4
 # In process, plain traffic served 1.22x at c = 8 and 1.11x at c = 16 in 4-step launches against one-step ones
 # (docs/serving.md, "Plain steps of many rows").
 MULTI_STEP_PLAIN_MAX_BATCH = 16
+
+# ``prefill_slice_plan``: the server prefills a longer prompt at most this many tokens at a time, stepping the other
+# streams between slices (vLLM's chunked prefill; its ``long_prefill_token_threshold``). On this CPU, 1800-token
+# prompts arriving among 3 running streams: the streams' longest wait ~400 ms in one insert, ~150 in slices of 512,
+# ~90 in slices of 256 (docs/serving.md, "Long prompts in slices"). 512 leaves the default buckets' prompts whole.
+PREFILL_SLICE_TOKENS = 512
 
 # token classes a slot's automaton may tell apart (``grammar.token_classes``; the shipped pair's json_object: 99,
 # a 3-property schema 147; at most the vocabulary): the table a slot holds is guided_states x this + V int32
@@ -100,6 +106,16 @@ def multi_step_plan(platform: str) -> tuple:
     16 x 1 and 2.96 -> 1.59 at 16 x 8 (docs/h200/run4; docs/performance.md, "Where a served step's time goes on
     the H200")."""
     return (4, MULTI_STEP_MAX_BATCH, MULTI_STEP_PLAIN_MAX_BATCH) if platform == "cpu" else (8, 0, 0)
+
+
+def prefill_slice_plan(prompt_buckets: Sequence[int], min_tokens: int = PREFIX_MIN_TOKENS) -> int:
+    """The server's default ``slice_tokens``: the largest prompt bucket of ``min_tokens`` (the prefix cache's
+    minimum) up to PREFILL_SLICE_TOKENS, else the smallest above them, else 0 (off). A prompt longer than it is
+    prefilled that many tokens at a time between the other streams' steps, and a prompt longer than the largest
+    bucket is served at all (docs/serving.md, "Long prompts in slices")."""
+    ok = [b for b in sorted(prompt_buckets) if b >= min_tokens]
+    fit = [b for b in ok if b <= PREFILL_SLICE_TOKENS]
+    return fit[-1] if fit else (ok[0] if ok else 0)
 
 
 def insert_batch_plan(platform: str) -> int:
@@ -125,7 +141,7 @@ class SlotBackend(StartUp, Inserts):
                  prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
                  max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0,
                  guided_classes: int = GUIDED_CLASSES, stop_states: int = STOP_STATES,
-                 stop_classes: int = STOP_CLASSES, insert_batch: int = 1):
+                 stop_classes: int = STOP_CLASSES, insert_batch: int = 1, slice_tokens: int = 0):
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
         if multi_step < 1 or multi_step_max_batch < 1:
@@ -202,6 +218,21 @@ class SlotBackend(StartUp, Inserts):
         self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
         self.prefix_answers = bool(prefix_answers)  # keep finished answers while idle (``keep_answer``)
+        # long prompts in slices (``slot_insert.Inserts.prefill_slice``): a prompt whose insert would prefill more
+        # than this many tokens is prefilled this many at a time, into the prefix cache, the engine stepping the
+        # other slots between slices (0: off; a prompt bucket; needs the prefix cache). The server's default:
+        # ``prefill_slice_plan``
+        slice_tokens = int(slice_tokens)
+        if slice_tokens and (self.prefix is None or slice_tokens not in self.prompt_buckets
+                             or slice_tokens < self.prefix.min_tokens):
+            raise ValueError(f"slice_tokens: expected 0 (off) or one of the prompt buckets {self.prompt_buckets} "
+                             f"of at least the prefix cache's minimum, with the prefix cache on (prefix_pool); got "
+                             f"{slice_tokens} with " + ("no prefix cache" if self.prefix is None else
+                                                        f"a minimum of {self.prefix.min_tokens}"))
+        self.slice_tokens = slice_tokens
+        # slot -> (prompt tokens kept before its slices, where its last slice ended) while its prompt is prefilled
+        self.sliced: dict = {}
+        self.slices = 0  # slices prefilled (``prefill_slice``)
         self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)
         # log-probabilities (``jdspark.logprobs``): None, not compiled in; N, up to N top entries a token
         if max_logprobs is not None and not 0 <= int(max_logprobs) <= self.cfg.vocab_size:
@@ -402,6 +433,7 @@ class SlotBackend(StartUp, Inserts):
 
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0, *[-1] * STOP_IDS)
+        self.sliced.pop(slot, None)  # a request cancelled between its prompt's slices
 
     def free_all_params(self) -> None:
         """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""

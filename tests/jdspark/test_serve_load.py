@@ -457,6 +457,15 @@ def test_server_flags_reach_the_slots(capsys):
                                                "--insert-batch", "1"]))[1].insert_batch == 1
     with pytest.raises(SystemExit):
         serve.parse_args(["--insert-batch", "0"])
+    # a prompt longer than --prefill-slice (default: the largest bucket up to 512) prefills that many at a time
+    assert serve.parse_args([]).prefill_slice == 512 and backend.slice_tokens == 64
+    assert serve.parse_args(["--prompt-buckets", "128,1024"]).prefill_slice == 128
+    assert serve.parse_args(["--prefix-pool", "0"]).prefill_slice == 0
+    assert serve.make_engine(serve.parse_args(["--slots", "2", "--max-len", "256", "--prompt-buckets", "64",
+                                               "--prefill-slice", "0"]))[1].slice_tokens == 0
+    for bad in (["--prefill-slice", "100"], ["--prefix-pool", "0", "--prefill-slice", "512"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
     # --num-speculative-tokens N (vLLM's): the widest step verifies N drafts, fixed rows at it, adaptive up to it
     for flag, widths in ((["--spec", "fixed"], (1, 4)), ([], (1, 2, 4)), (["--num-speculative-tokens", "7"], None)):
         flags = ["--num-speculative-tokens", "3", *flag] if widths else flag

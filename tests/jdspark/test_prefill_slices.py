@@ -1,0 +1,184 @@
+"""Long prompts in slices (``SlotBackend.prefill_slice``, ``Engine._slice``): a prompt whose insert would prefill
+more than ``slice_tokens`` tokens is prefilled that many at a time into the prefix cache, the engine stepping the
+running slots between slices, and its insert then extends the last kept slice. Served among a running stream, in
+a backend whose one batch bucket steps every slot (the slicing one too), its tokens equal batch-1
+``jdspark.generate``'s of the whole prompt, greedy and sampled; the running stream's too."""
+
+import time
+
+import numpy as np
+import pytest
+
+import jdspark
+from jdspark.engine import Engine, Request, SamplingRequest
+from jdspark.prefix import PrefixPool
+from jdspark.serve_metrics import ServeMetrics
+from jdspark.slots import SlotBackend, prefill_slice_plan
+from tests.jdspark.test_slots import _wait_until_finished, pair  # noqa: F401  (the tiny pair fixture)
+
+S = 16  # tokens a slice
+
+
+@pytest.fixture(scope="module")
+def backend(pair):  # noqa: F811
+    target, drafter, _ = pair
+    return SlotBackend(target, drafter, num_slots=2, max_len=128, prompt_buckets=(16, 32), batch_buckets=(2,),
+                       prefix_pool=4, prefix_min_tokens=8, slice_tokens=S, multi_step=3, multi_step_max_batch=2)
+
+
+def _prompt(n: int, vocab: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(3, vocab, n - 1).tolist()
+
+
+def _record(backend, monkeypatch) -> list:
+    """The backend's slices and launches, in order: ("slice", slot) and ("launch", slots, steps)."""
+    events = []
+    slice_, launch = backend.prefill_slice, backend.launch
+
+    def sliced(slot, req):
+        events.append(("slice", slot))
+        return slice_(slot, req)
+
+    def launched(slots, steps=1):
+        events.append(("launch", tuple(slots), steps))
+        return launch(slots, steps=steps)
+
+    monkeypatch.setattr(backend, "prefill_slice", sliced)
+    monkeypatch.setattr(backend, "launch", launched)
+    return events
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)])
+def test_a_long_prompt_is_prefilled_in_slices_between_the_running_stream_s_steps(
+        pair, backend, setting, monkeypatch):  # noqa: F811
+    target, drafter, tok = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    queries, hits, slices = backend.prefix.queries, backend.prefix.hits, backend.slices
+    events = _record(backend, monkeypatch)
+    metrics = ServeMetrics("m", max_positions=backend.G + 1)
+    eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id, metrics=metrics).start()
+    short, long_ = _prompt(12, V, 1), _prompt(75, V, 2)  # 75 > the largest bucket (32): served only in slices
+    try:
+        a = eng.submit(Request(SamplingRequest(tuple(short), 48, seed=3, **setting), lambda ev: None,
+                               ignore_eos=True))
+        while len(a.output_ids) < 2:  # running (a launch collected) before the long prompt arrives
+            assert eng.error is None, eng.error
+            time.sleep(0.005)
+        b = eng.submit(Request(SamplingRequest(tuple(long_), 16, seed=4, **setting), lambda ev: None,
+                               ignore_eos=True))
+        _wait_until_finished(eng, [a, b], 600)
+    finally:
+        eng.shutdown()
+    for req, prompt, n, seed in ((a, short, 48, 3), (b, long_, 16, 4)):
+        ref = jdspark.generate(target, drafter, np.array(prompt), max_new_tokens=n, seed=seed, eos_token_id=-1,
+                               **setting)
+        assert req.finished == "length" and req.output_ids == list(ref.tokens), (req.output_ids, ref.tokens)
+    # [0, 16), [16, 32), [32, 48), [48, 59) kept one after another; the insert extends [59, 75)
+    assert backend.slices - slices == 4
+    first = next(i for i, e in enumerate(events) if e[0] == "slice")
+    slot_b = events[first][1]
+    cut = next(i for i, e in enumerate(events) if e[0] == "launch" and slot_b in e[1])
+    assert all(slot_b not in e[1] for e in events[:cut] if e[0] == "launch"), events  # not stepped before its insert
+    # one step of the running stream between one slice and the next, and between the last and the insert (one-step
+    # launches while a prompt is being sliced, as while a request waits): it waited for a slice at a time
+    assert [e[0] for e in events[first:cut]] == ["slice", "launch"] * 4, events
+    assert all(e[2] == 1 for e in events[first:cut] if e[0] == "launch")
+    assert any(e[2] == 3 for e in events[:first]), events  # multi-step launches before it
+    # the client's own prompt was looked up once and had nothing kept: the slices are not its cache hits
+    assert b.cached_tokens == 0 and a.cached_tokens == 0
+    assert (backend.prefix.queries - queries, backend.prefix.hits - hits) == (len(short) + len(long_), 0)
+    assert not backend.sliced and not eng.prefilling
+    # one row kept the long prompt's slices, one its whole prompt (and one the short prompt): not a row a slice
+    assert sorted(len(k) for k in backend.prefix.rows) == [len(short), 59, len(long_)]
+
+
+def test_a_refused_or_cancelled_long_prompt_frees_its_slot(pair, backend, monkeypatch):  # noqa: F811
+    """A long prompt its insert would refuse ends at its first slice with the reason; one cancelled between its
+    slices ends there, nothing of it inserted; the slot then serves the next request."""
+    target, drafter, tok = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id).start()
+    slice_ = backend.prefill_slice
+    try:
+        bad = eng.submit(Request(SamplingRequest(tuple(_prompt(75, V, 5)), 100), lambda ev: None))
+        _wait_until_finished(eng, [bad], 600)
+        assert bad.finished == "abort" and not bad.output_ids and eng.num_running == 0
+        box = []
+
+        def cancel_at_second(slot, req):  # the client goes away after the first slice
+            if backend.slices > box[0]:
+                eng.cancel(box[1])
+            return slice_(slot, req)
+
+        monkeypatch.setattr(backend, "prefill_slice", cancel_at_second)
+        box[:] = [backend.slices, None]
+        box[1] = gone = eng.submit(Request(SamplingRequest(tuple(_prompt(75, V, 6)), 8), lambda ev: None))
+        _wait_until_finished(eng, [gone], 600)
+        deadline = time.time() + 60
+        while eng.num_running and time.time() < deadline:
+            time.sleep(0.01)
+        assert gone.finished == "abort" and not gone.output_ids and eng.num_running == 0 and not eng.prefilling
+        assert not backend.sliced
+        monkeypatch.setattr(backend, "prefill_slice", slice_)
+        ok = eng.submit(Request(SamplingRequest(tuple(_prompt(12, V, 7)), 8), lambda ev: None, ignore_eos=True))
+        _wait_until_finished(eng, [ok], 600)
+        assert ok.finished == "length" and len(ok.output_ids) == 8
+    finally:
+        eng.shutdown()
+
+
+def test_a_row_keeps_the_next_slice():
+    pool = PrefixPool(2, min_tokens=2)
+    a = pool.store([1, 2, 3])
+    pool.store([7, 7])
+    assert pool.rekey([1, 2, 3], [1, 2, 3, 4, 5]) == a and pool.lookup([1, 2, 3, 4, 5, 6]) == (a, 5)
+    assert pool.lookup([1, 2, 3, 4]) is None  # [1, 2, 3] is no longer kept
+    assert pool.rekey([1, 2, 3], [1, 2, 3, 4]) is None and pool.rekey([1, 2, 3, 4, 5], [7, 7]) is None
+    assert pool.store([8, 8]) != a  # the re-keyed row is the most recent: [7, 7]'s goes first
+
+
+def test_what_is_sliced_and_what_its_insert_reports(pair, backend):  # noqa: F811
+    """``slices_needed``: only a prompt whose insert would prefill more than S tokens, that the prefix cache may
+    serve (no grammar, no prompt log-probabilities). A prompt that begins with a kept one is sliced from there, and
+    its insert reports the tokens kept before its slices as cached. A bad request is refused at its first slice,
+    before any work; a slot freed between slices (a cancelled request) starts over."""
+    target, _, _ = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    base = _prompt(24, V, 7)
+    long_ = base + _prompt(60, V, 8)[1:]  # 83 tokens, its first 24 kept below
+    assert not backend.slices_needed(SamplingRequest(tuple(long_[:S]), 4))  # one slice's worth
+    assert backend.slices_needed(SamplingRequest(tuple(long_[:S + 1]), 4))
+    assert not backend.slices_needed(SamplingRequest(tuple(long_), 4, prompt_logprobs=0))
+    backend.insert(0, SamplingRequest(tuple(base), 2))  # kept
+    backend.free(0)
+    assert not backend.slices_needed(SamplingRequest(tuple(base + long_[24:24 + S]), 4))  # the rest is one slice
+    req = SamplingRequest(tuple(long_), 4)
+    assert backend.slices_needed(req)
+    slices = backend.slices
+    with pytest.raises(ValueError, match="exceed the slots' cache"):
+        backend.prefill_slice(1, SamplingRequest(tuple(long_), 100))
+    assert backend.slices == slices and not backend.sliced
+    assert not backend.prefill_slice(1, req)  # [24, 40) after the kept 24
+    backend.free(1)  # cancelled: the next request of the slot is its own
+    assert not backend.sliced
+    done = [backend.prefill_slice(1, req) for _ in range(2)]  # [40, 56), then [56, 67)
+    assert done == [False, True] and backend.slices - slices == 3
+    out = backend.insert(1, req)  # extends [67, 83)
+    assert out.cached == 40 and not backend.sliced  # what the cache held when this request's slices began
+    backend.free(1)
+
+
+def test_the_server_s_slice(pair):  # noqa: F811
+    """``prefill_slice_plan``: the largest prompt bucket up to 512 tokens that the prefix cache would keep; the
+    backend takes a bucket of at least the cache's minimum, with the cache on."""
+    assert prefill_slice_plan((64, 128, 256, 512)) == 512 and prefill_slice_plan((128, 1024, 4096)) == 128
+    assert prefill_slice_plan((1024, 2048)) == 1024 and prefill_slice_plan((16,), min_tokens=32) == 0
+    target, drafter, _ = pair
+    for kw in (dict(prefix_pool=0, slice_tokens=16), dict(prefix_pool=2, slice_tokens=24),
+               dict(prefix_pool=2, prefix_min_tokens=32, slice_tokens=16)):
+        with pytest.raises(ValueError, match="slice_tokens: expected 0"):
+            SlotBackend(target, drafter, num_slots=1, max_len=128, prompt_buckets=(16, 32), **kw)
