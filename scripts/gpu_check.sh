@@ -25,6 +25,8 @@
 #            CONDITIONAL): whether a launch's host cost (run 4: 1.0-1.9 ms, the program's kernels enqueued one by one
 #            from the caller's thread) falls when the program is replayed as graphs; compare with the slots stage of
 #            the same run; timeout 200 s;
+#   slices   scripts/bench_slices.py --json --rounds 2: what long prompts' arrival costs running streams, prefilled
+#            in one insert and in slices of 512 / 256 (on this CPU the longest wait 401 / 148 / 86 ms); timeout 300 s;
 #   serve    issue 17's load test, `scripts/bench_serve.py --launch --json` (SERVE_ARGS, default
 #            "--rounds 2"; e.g. --server-args "--multi-step-max-batch 0" to launch several steps at a time at every
 #            batch): the server and its clients on the GPU machine's CPUs, the engine on the GPU; it ends by
@@ -150,6 +152,12 @@ stage_graphs() {
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=${GRAPH_FLAGS:-FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}" \
     timeout 200 "$PY" scripts/bench_slots.py --json --batches 1,16 --widths 1,8 --iters 8 --repeats 3 \
     2> >(tee "$OUT/bench_slots_graphs.log" | grep "ms/step" >&2) > "$OUT/bench_slots_graphs_gpu.json" || rc=1
+}
+
+# long prompts arriving among running streams: the streams' waits with the prefill in one insert and in slices
+stage_slices() {
+  timeout 300 "$PY" scripts/bench_slices.py --json --rounds 2 2> >(tee "$OUT/bench_slices.log" >&2) \
+    | tee "$OUT/bench_slices_gpu.json" | tail -c 1500 || rc=1
 }
 
 # issue 17's load test: the server on this machine, its engine on the GPU
