@@ -96,7 +96,7 @@ class Inserts:
     def slices_needed(self, req: SamplingRequest) -> bool:
         """Whether ``req``'s prompt is prefilled in slices (``prefill_slice``, the engine stepping the other slots
         between them) before its insert: slicing is on (``slice_tokens``), the prefix cache may serve the prompt
-        (text, no grammar, no prompt log-probabilities) and its insert would prefill more than ``slice_tokens``
+        (text, no prompt log-probabilities) and its insert would prefill more than ``slice_tokens``
         tokens after the longest kept prompt it begins with."""
         S = self.slice_tokens
         if not S or not self._keeps(req) or req.prompt_logprobs is not None or len(req.prompt_ids) <= S:
@@ -278,9 +278,9 @@ class Inserts:
         return mode, top, ptop
 
     def _keeps(self, req: SamplingRequest) -> bool:
-        """Whether the prefix cache may serve and keep ``req``'s prompt: text prompts only, and not constrained ones
-        (a kept row holds no automaton of its own)."""
-        return self.prefix is not None and req.images is None and req.grammar is None
+        """Whether the prefix cache may serve and keep ``req``'s prompt: text prompts (a constrained one too: an
+        extension installs the request's own automaton, ``speculative.extend_stream``)."""
+        return self.prefix is not None and req.images is None
 
     def _book(self, prep: _Insert) -> None:
         """The slot's host bookkeeping for ``prep``'s request (sampling parameters, mode, survival tracker, insert
@@ -301,7 +301,7 @@ class Inserts:
                                       prep.ptop >= 0, prep.pen, prep.controls, prep.grammar, prep.first_V)
         else:
             first, lp = self._extend(prep.slot, prep.hit[0], prep.padded, prep.n - prep.cached, prep.req.seed,
-                                     prep.samp, prep.pen, prep.controls, prep.first_V)
+                                     prep.samp, prep.pen, prep.controls, prep.first_V, prep.grammar)
         lp_first = lp_prompt = None
         if max(prep.top, prep.ptop) >= 0:
             lp_first, lp_prompt = jax.device_get(lp)
@@ -371,24 +371,25 @@ class Inserts:
         return first_token_input(self.cfg.vocab_size, req)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                penalties=(1.0, 0.0, 0.0), controls=None, first_V=None):
+                penalties=(1.0, 0.0, 0.0), controls=None, first_V=None, grammar=None):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
         (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
         else None)."""
         self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, samp, penalties, controls,
-                                                           first_V), **self._extend_kw())
+                                                           first_V, grammar), **self._extend_kw())
         return first, (lp[0] if lp else None)
 
     def _extend_kw(self) -> dict:
         return dict(logprobs=self.max_logprobs, penalties=self.penalties)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                     penalties=(1.0, 0.0, 0.0), controls=None, first_V=None) -> tuple:
+                     penalties=(1.0, 0.0, 0.0), controls=None, first_V=None, grammar=None) -> tuple:
         """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                 np.asarray(penalties, np.float32),
-                self._controls() if controls is None else controls, self._first() if first_V is None else first_V)
+                self._controls() if controls is None else controls, self._first() if first_V is None else first_V,
+                self._grammar() if grammar is None else grammar)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
                  penalties=(1.0, 0.0, 0.0), controls=None, grammar=None, first_V=None):

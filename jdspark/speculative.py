@@ -282,7 +282,7 @@ def _first(row: Stream, first_1) -> Stream:
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
                   logprobs: Optional[int] = None, penalties: Optional[Penalties] = None,
-                  controls: Optional[LogitControls] = None, first_allowed_V=None):
+                  controls: Optional[LogitControls] = None, first_allowed_V=None, grammar=None):
     """Prefill ``ext_len`` more prompt tokens (right-padded [1, E]) on top of a stream whose caches already hold a
     prefix of the prompt (a prefix-cache hit: ``jdspark.prefix``): (Stream, first token [1]), as ``prefill_stream``
     of the whole prompt would give up to float reassociation (one chunk of E on the cached state, the chunked
@@ -294,7 +294,9 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
         the drafter's context gets the extension's taps at positions n .. n + ext_len - 1 (n = the prefix's length)
     The cache must hold n + E positions (the caller checks). ``logprobs``: as ``prefill_stream``'s (the prompt's
     None: the kept tokens' logits are not computed again); ``penalties`` / ``controls`` / ``first_allowed_V``: as
-    ``prefill_stream``'s (the request's own controls, not the kept prompt's)."""
+    ``prefill_stream``'s (the request's own controls, not the kept prompt's); ``grammar``: as ``prefill_stream``'s,
+    the request's own automaton (state -1 for an unconstrained request) in place of the kept row's (None: the
+    kept row's table, switched off)."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     E = ext_1E.shape[1]
     base_1 = row.cache.length
@@ -311,7 +313,9 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     if penalties is not None:  # the kept prompt's tokens and the extension's are the prompt; nothing generated
         new = _with_controls(new, row.counts.shape[0], controls)
         new.prompt_seen = row.prompt_seen | seen(ext_1E, ext_len, row.prompt_seen.shape[0])
-    if row.fsm is not None:  # a constrained request is never a prefix-cache hit (``SlotBackend.insert``)
+    if grammar is not None:  # the request's own automaton, whatever the kept prompt's request had
+        new.fsm, new.fsm_next, new.fsm_class = (jnp.asarray(g, jnp.int32) for g in grammar)
+    elif row.fsm is not None:
         new.fsm, new.fsm_next, new.fsm_class = jnp.int32(-1), row.fsm_next, row.fsm_class
     if first_allowed_V is not None:
         last_1V = jnp.where(first_allowed_V, last_1V, -jnp.inf)

@@ -182,3 +182,42 @@ def test_the_server_s_slice(pair):  # noqa: F811
                dict(prefix_pool=2, prefix_min_tokens=32, slice_tokens=16)):
         with pytest.raises(ValueError, match="slice_tokens: expected 0"):
             SlotBackend(target, drafter, num_slots=1, max_len=128, prompt_buckets=(16, 32), **kw)
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95, seed=6)])
+def test_a_constrained_request_extends_a_kept_prompt_and_is_sliced(pair, setting):  # noqa: F811
+    """A constrained request (a grammar) on a prefix-cache hit gets its own automaton from the extension, not the
+    kept row's: its tokens equal batch-1 generate's with the grammar, for a short hit and for a long prompt served
+    in slices; an unconstrained request then hitting the constrained one's kept prompt is unconstrained."""
+    from tests.jdspark.test_grammar import _ids_fsm
+
+    target, drafter, _ = pair
+    V = target.config.vocab_size
+    be = SlotBackend(target, drafter, num_slots=1, max_len=128, prompt_buckets=(16, 32), prefix_pool=4,
+                     prefix_min_tokens=8, slice_tokens=16, guided_states=16)
+    fsm = _ids_fsm([[5, 6, 7, 8, 9], [5, 10], [20, 21, 22, 23, 24, 25]], V)
+    kept = _prompt(24, V, 9)
+
+    def served(prompt, n, **kw):
+        req = SamplingRequest(tuple(prompt), n, **{**setting, **kw})
+        while be.slices_needed(req) and not be.prefill_slice(0, req):
+            pass
+        out = be.insert(0, req)
+        toks = list(out.tokens)
+        while len(toks) < n and toks[-1] != target.config.eos_token_id:
+            toks += be.step([0])[0].tokens
+        be.free(0)
+        return toks, out.cached
+
+    served(kept, 2)  # kept, unconstrained
+    slices = be.slices
+    for prompt, cached in ((kept + _prompt(11, V, 10)[1:], len(kept)), (_prompt(75, V, 11), 0)):
+        toks, got_cached = served(prompt, 12, grammar=fsm)
+        ref = jdspark.generate(target, drafter, np.array(prompt), max_new_tokens=12, grammar=fsm,
+                               **setting).tokens.tolist()
+        assert toks[:len(ref)] == ref and got_cached == cached, (toks, ref, got_cached)
+    assert be.slices - slices == 4  # the long prompt's
+    free_prompt = _prompt(75, V, 11) + _prompt(6, V, 12)[1:]  # begins with the constrained long prompt, kept
+    toks, got_cached = served(free_prompt, 12)
+    ref = jdspark.generate(target, drafter, np.array(free_prompt), max_new_tokens=12, **setting).tokens.tolist()
+    assert got_cached == 75 and toks[:12] == ref, (toks, ref)
