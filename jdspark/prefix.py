@@ -76,6 +76,7 @@ class PrefixPool:
         self.rows: collections.OrderedDict = collections.OrderedDict()  # prompt ids (tuple) -> row, oldest first
         self.queries = self.hits = 0  # prompt tokens looked up, and those found kept (vLLM's counters' units)
         self.pending: collections.deque = collections.deque(maxlen=PENDING_ANSWERS)  # newest last
+        self.pinned: set = set()  # kept prompts ``store`` does not evict (a long prompt's slice until its insert)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -133,8 +134,9 @@ class PrefixPool:
         return None
 
     def store(self, ids: Sequence[int]) -> Optional[int]:
-        """The row to copy the state after prompt ``ids`` into (the least recently used one when all are taken),
-        or None when ``ids`` is too short to keep or already kept (then it becomes most recent)."""
+        """The row to copy the state after prompt ``ids`` into (the least recently used one not ``pinned`` when all
+        are taken), or None when ``ids`` is too short to keep, already kept (then it becomes most recent) or every
+        row is pinned."""
         key = tuple(int(t) for t in ids)
         if len(key) < self.min_tokens:
             return None
@@ -144,7 +146,10 @@ class PrefixPool:
         if len(self.rows) < self.capacity:
             row = len(self.rows)
         else:
-            _, row = self.rows.popitem(last=False)
+            old = next((k for k in self.rows if k not in self.pinned), None)
+            if old is None:
+                return None
+            row = self.rows.pop(old)
         self.rows[key] = row
         return row
 
@@ -157,11 +162,23 @@ class PrefixPool:
             return None
         row = self.rows.pop(key)
         self.rows[new] = row
+        if key in self.pinned:
+            self.pinned.discard(key)
+            self.pinned.add(new)
         return row
+
+    def pin(self, ids: Sequence[int], on: bool = True) -> None:
+        """Keep ``ids``'s row from eviction by ``store`` (``on``), or no longer."""
+        key = tuple(int(t) for t in ids)
+        if on and key in self.rows:
+            self.pinned.add(key)
+        else:
+            self.pinned.discard(key)
 
     def clear(self) -> None:
         self.rows.clear()
         self.pending.clear()
+        self.pinned.clear()
 
 
 def tree_bytes(tree) -> int:

@@ -114,9 +114,9 @@ class Inserts:
         Each slice starts from what the cache keeps, not from the slot: a launch of the largest batch bucket steps
         every slot, this one too, and a kept row is copied whole into the slot by the next extension. A prompt of n
         tokens (n > S) is cut as [0, S), [S, 2S), ... up to n - S, then [n - S, n) is the insert's own extension,
-        so every padded slice ends inside the cache (kept + its bucket <= n). Were a slice's row reused by another
-        prompt before the next (the least recently used row; the slices are the most recent), the next starts
-        from the longest prefix still kept: more work, the same prompt."""
+        so every padded slice ends inside the cache (kept + its bucket <= n). The last slice's row is pinned until
+        the insert (``PrefixPool.pin``: the prompts kept meanwhile evict other rows); were it gone anyway (the cache
+        cleared), the next slice starts from the longest prefix still kept: more work, the same prompt."""
         S, ids, n = self.slice_tokens, tuple(int(t) for t in req.prompt_ids), len(req.prompt_ids)
 
         def finishes(m):  # from m kept tokens, either another slice or the insert's extension does the rest
@@ -128,7 +128,7 @@ class Inserts:
             self._controls(req), self._first(req)  # a bad bias or first-token set is refused before any work
         hit = self.prefix.lookup(ids, finishes, count=first)
         kept = 0 if hit is None else hit[1]
-        if first:  # the prompt tokens its client had kept (``StepOutput.cached``), and its last slice's end
+        if first:  # the prompt tokens its client had kept (``StepOutput.cached``), and its last slice kept (pinned)
             self.sliced[slot] = (kept, None)
         if n - kept <= S:
             return True
@@ -140,23 +140,35 @@ class Inserts:
             self._prefill(slot, padded, end, 0, SAMPLING_OFF, None, dispatch.prefill_chunk(P, self.prefill_chunk))
         else:
             self._extend(slot, hit[0], padded, end - kept, 0)
-        # the slice before this one's row now keeps this one (one row for all its slices), else a row of its own
-        own = kept == self.sliced[slot][1]
-        row = self.prefix.rekey(ids[:kept], ids[:end]) if own else self.prefix.store(ids[:end])
+        # the slice before this one's row now keeps this one (one row for all its slices), else a row of its own;
+        # pinned until the insert, so that the prompts kept meanwhile cannot evict it (``_unslice``)
+        before, last = self.sliced[slot]
+        row = self.prefix.rekey(last, ids[:end]) if last == ids[:kept] else self.prefix.store(ids[:end])
         if row is not None:
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
-        self.sliced[slot] = (self.sliced[slot][0], end)
+            if last is not None:
+                self.prefix.pin(last, on=False)
+            self.prefix.pin(ids[:end])
+            self.sliced[slot] = (before, ids[:end])
         self.slices += 1
         # done before the engine's next launch is dispatched: queued behind it instead, the slice, the pool's copy
         # and the launch ran slower together (a 512-token slice's pass ~280 ms of the streams' time, ~150 so)
         jax.block_until_ready((self.state, self.pool))
         return n - end <= S
 
+    def _unslice(self, slot: int) -> int:
+        """Drop ``slot``'s slicing record (its insert ran, was refused, or its request went away) and unpin its last
+        slice: the prompt tokens kept before its slices (0 without a record)."""
+        kept, last = self.sliced.pop(slot, (0, None))
+        if last is not None:
+            self.prefix.pin(last, on=False)
+        return kept
+
     def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
         try:
             prep = self._prepare(slot, req)
         except ValueError:
-            self.sliced.pop(slot, None)
+            self._unslice(slot)
             raise
         self._book(prep)
         return self._finish_insert(prep, *self._run_one(prep))
@@ -190,7 +202,7 @@ class Inserts:
             try:
                 prep = self._prepare(slot, req)
             except ValueError as e:
-                self.sliced.pop(slot, None)
+                self._unslice(slot)
                 yield i, e
                 continue
             self._book(prep)
@@ -338,7 +350,7 @@ class Inserts:
         """After ``prep``'s program: its stop strings on the device, the prefix cache's copy of its prompt, its
         first token's (and prompt's) log-probabilities as the engine reads them."""
         slot, req, n = prep.slot, prep.req, prep.n
-        cached = self.sliced.pop(slot, (prep.cached,))[0]  # a prompt prefilled in slices: what was kept before them
+        cached = self._unslice(slot) if slot in self.sliced else prep.cached  # sliced: what was kept before
         self._set_stops(slot, req)
         row = self.prefix.store(req.prompt_ids) if prep.keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it

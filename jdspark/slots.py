@@ -230,7 +230,7 @@ class SlotBackend(StartUp, Inserts):
                              f"{slice_tokens} with " + ("no prefix cache" if self.prefix is None else
                                                         f"a minimum of {self.prefix.min_tokens}"))
         self.slice_tokens = slice_tokens
-        # slot -> (prompt tokens kept before its slices, where its last slice ended) while its prompt is prefilled
+        # slot -> (prompt tokens kept before its slices, the prompt its last slice kept, pinned) while it is sliced
         self.sliced: dict = {}
         self.slices = 0  # slices prefilled (``prefill_slice``)
         self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)
@@ -433,7 +433,7 @@ class SlotBackend(StartUp, Inserts):
 
     def free(self, slot: int) -> None:
         self.params[slot] = (0.0, 0, 1.0, 0, -1, 1.0, 0.0, 0.0, 0.0, 0.0, *[-1] * STOP_IDS)
-        self.sliced.pop(slot, None)  # a request cancelled between its prompt's slices
+        self._unslice(slot)  # a request cancelled between its prompt's slices
 
     def free_all_params(self) -> None:
         """Every slot's per-row parameters as a free slot's (greedy, no drafts, no log-probabilities or penalties)."""

@@ -130,6 +130,24 @@ def test_a_refused_or_cancelled_long_prompt_frees_its_slot(pair, backend, monkey
         eng.shutdown()
 
 
+def test_a_slice_s_row_outlives_the_prompts_kept_meanwhile(pair, backend):  # noqa: F811
+    """Between two slices more prompts are kept than the pool has rows: the slice's row is pinned, so the next
+    slice continues from it (no slice prefilled twice), and the insert's hit unpins it."""
+    target, _, _ = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    long_ = _prompt(75, V, 13)
+    req, slices = SamplingRequest(tuple(long_), 4), backend.slices
+    assert not backend.prefill_slice(1, req)  # [0, 16)
+    for i in range(backend.prefix.capacity + 1):  # each kept: the least recent unpinned row goes
+        backend.insert(0, SamplingRequest(tuple(_prompt(12, V, 20 + i)), 2))
+        backend.free(0)
+    assert [backend.prefill_slice(1, req) for _ in range(3)] == [False, False, True]  # [16, 32), [32, 48), [48, 59)
+    assert backend.slices - slices == 4 and backend.prefix.pinned == {tuple(long_[:59])}
+    assert backend.insert(1, req).cached == 0 and not backend.prefix.pinned
+    backend.free(1)
+
+
 def test_a_row_keeps_the_next_slice():
     pool = PrefixPool(2, min_tokens=2)
     a = pool.store([1, 2, 3])
@@ -138,6 +156,14 @@ def test_a_row_keeps_the_next_slice():
     assert pool.lookup([1, 2, 3, 4]) is None  # [1, 2, 3] is no longer kept
     assert pool.rekey([1, 2, 3], [1, 2, 3, 4]) is None and pool.rekey([1, 2, 3, 4, 5], [7, 7]) is None
     assert pool.store([8, 8]) != a  # the re-keyed row is the most recent: [7, 7]'s goes first
+    pool.pin([1, 2, 3, 4, 5])
+    pool.lookup([8, 8, 1])  # [8, 8] the most recent: the pinned row is the least recent, and still stays
+    assert pool.store([9, 9]) != a and pool.lookup([1, 2, 3, 4, 5, 6]) == (a, 5)
+    assert pool.rekey([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]) == a and pool.pinned == {(1, 2, 3, 4, 5, 6)}
+    pool.pin([9, 9])
+    assert pool.store([4, 4]) is None  # every row pinned
+    pool.pin([9, 9], on=False)
+    assert pool.store([4, 4]) is not None
 
 
 def test_what_is_sliced_and_what_its_insert_reports(pair, backend):  # noqa: F811
