@@ -370,17 +370,19 @@ class Engine:
 
     def _slice(self, admit: list) -> list:
         """The admitted (slot, request) pairs to insert now. A backend with ``prefill_slice`` prefills a long prompt
-        in slices first (``slices_needed``): such a request waits in ``prefilling``, and each pass of the loop runs
-        one slice of the oldest, or the insert of one whose slices are done (the extension of its last slice,
-        which costs a slice: not in the same pass as that slice), then the step of the running slots, so their
-        streams wait for one slice at a time, not a whole prompt. That insert goes first (its last slice is the
-        most recently kept prompt, which it finds)."""
+        in slices first (``slices_needed``; a prompt one insert could take, only while other streams run or wait):
+        such a request waits in ``prefilling``, and each pass of the loop runs one slice of the oldest, or the
+        insert of one whose slices are done (the extension of its last slice, which costs a slice: not in the same
+        pass as that slice), then the step of the running slots, so their streams wait for one slice at a time,
+        not a whole prompt. That insert goes first (its last slice is the most recently kept prompt, which it
+        finds)."""
         slicer = getattr(self.backend, "prefill_slice", None)
         if slicer is None:
             return admit
         now = []
-        for s, req in admit:
-            if self.backend.slices_needed(req.sampling):
+        for s, req in admit:  # busy: another stream runs, waits or is admitted with it (theirs would wait for it)
+            busy = bool(self.waiting) or sum(r is not None for r in self.slots) > 1
+            if self.backend.slices_needed(req.sampling, busy=busy):
                 self.prefilling.append([s, req, False])
             else:
                 now.append((s, req))

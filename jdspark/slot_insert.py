@@ -93,16 +93,21 @@ class Inserts:
         return E if E is not None and kept + E <= self.max_len else None
 
     # ------------------------------------------------------------------ long prompts in slices
-    def slices_needed(self, req: SamplingRequest) -> bool:
+    def slices_needed(self, req: SamplingRequest, busy: bool = True) -> bool:
         """Whether ``req``'s prompt is prefilled in slices (``prefill_slice``, the engine stepping the other slots
         between them) before its insert: slicing is on (``slice_tokens``), the prefix cache may serve the prompt
-        (text, no prompt log-probabilities) and its insert would prefill more than ``slice_tokens``
-        tokens after the longest kept prompt it begins with."""
+        (text, no prompt log-probabilities) and its insert would prefill more than ``slice_tokens`` tokens after the
+        longest kept prompt it begins with. Not ``busy`` (no other stream runs or waits, so no stream would wait
+        for it): only where one insert could not take the prompt at all (past the largest bucket, and no kept
+        prompt leaves a rest that fits): in slices its first token comes later (docs/serving.md)."""
         S = self.slice_tokens
         if not S or not self._keeps(req) or req.prompt_logprobs is not None or len(req.prompt_ids) <= S:
             return False
         n = len(req.prompt_ids)
-        return self.prefix.lookup(req.prompt_ids, lambda m: n - m <= S and self.extension_bucket(m, n) is not None,
+        if not busy and n <= self.prompt_buckets[-1]:
+            return False
+        most = S if busy else self.prompt_buckets[-1]
+        return self.prefix.lookup(req.prompt_ids, lambda m: n - m <= most and self.extension_bucket(m, n) is not None,
                                   count=False) is None
 
     def prefill_slice(self, slot: int, req: SamplingRequest) -> bool:

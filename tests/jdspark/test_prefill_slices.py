@@ -130,6 +130,25 @@ def test_a_refused_or_cancelled_long_prompt_frees_its_slot(pair, backend, monkey
         eng.shutdown()
 
 
+def test_a_prompt_alone_is_sliced_only_where_one_insert_could_not_take_it(pair, backend):  # noqa: F811
+    """With no other stream running or waiting, a prompt one insert can take (<= the largest bucket, 32) is not
+    sliced (in slices its first token would come later, and no stream waits for it); one past it is."""
+    target, drafter, tok = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id).start()
+    try:
+        for n, slices in ((30, 0), (75, 4)):
+            before = backend.slices
+            req = eng.submit(Request(SamplingRequest(tuple(_prompt(n, V, n)), 4), lambda ev: None, ignore_eos=True))
+            _wait_until_finished(eng, [req], 600)
+            assert req.finished == "length" and backend.slices - before == slices, (n, backend.slices - before)
+    finally:
+        eng.shutdown()
+    assert backend.slices_needed(SamplingRequest(tuple(_prompt(30, V, 15)), 4))  # while others run: sliced
+    assert not backend.slices_needed(SamplingRequest(tuple(_prompt(30, V, 15)), 4), busy=False)
+
+
 def test_a_slice_s_row_outlives_the_prompts_kept_meanwhile(pair, backend):  # noqa: F811
     """Between two slices more prompts are kept than the pool has rows: the slice's row is pinned, so the next
     slice continues from it (no slice prefilled twice), and the insert's hit unpins it."""
