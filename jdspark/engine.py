@@ -110,8 +110,8 @@ class Backend(Protocol):
     # optional: ``launch`` / ``collect`` / ``steps_for`` (pipelined, multi-step), ``keep_answer`` / ``idle_pending`` /
     # ``idle_step`` (work while nothing runs; see the module docstring), ``insert_many(pairs)`` (requests admitted
     # together: yields (index, its StepOutput or the ValueError that refused it) as each is prefilled),
-    # ``slices_needed(req)`` / ``prefill_slice(slot, req)`` (a long prompt prefilled a slice at a time between steps;
-    # True once its ``insert`` will do the rest: ``Engine._slice``)
+    # ``slices_needed(req, busy)`` / ``prefill_slice(slot, req)`` (a long prompt prefilled a slice at a time between
+    # steps; True once its ``insert`` will do the rest: ``Engine._slice``)
 
 
 @dataclasses.dataclass
