@@ -266,3 +266,43 @@ def test_a_constrained_request_extends_a_kept_prompt_and_is_sliced(pair, setting
     toks, got_cached = served(free_prompt, 12)
     ref = jdspark.generate(target, drafter, np.array(free_prompt), max_new_tokens=12, **setting).tokens.tolist()
     assert got_cached == 75 and toks[:12] == ref, (toks, ref)
+
+
+def test_mixed_traffic_with_slices_equals_batch_one_generate(pair, backend):  # noqa: F811
+    """Twelve requests through 2 slots and a 4-row pool: prompts of 12, 40 (past the largest bucket, 32) and 75
+    tokens, some beginning with an earlier one's prompt, greedy and sampled, arriving while others run (so long ones
+    are sliced among the others' steps and the pool's rows turn over), two cancelled after their first token: every
+    other request's tokens equal batch-1 generate's of its whole prompt."""
+    target, drafter, tok = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    slices = backend.slices
+    eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id).start()
+    asks, reqs = [], []
+    base = _prompt(40, V, 30)
+    try:
+        for i in range(12):
+            n = (12, 40, 75)[i % 3]
+            prompt = base[:24] + _prompt(n - 24, V, 40 + i)[1:] + [5] if i in (4, 7) else _prompt(n, V, 40 + i)
+            setting = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=1.0, top_p=0.95, seed=i)
+            asks.append((prompt, setting))
+            reqs.append(eng.submit(Request(SamplingRequest(tuple(prompt), 10, **setting), lambda ev: None,
+                                           ignore_eos=True)))
+            if i in (2, 9):  # gone after its first token
+                deadline = time.time() + 600
+                while not reqs[-1].output_ids and reqs[-1].finished is None:
+                    assert time.time() < deadline and eng.error is None, eng.error
+                    time.sleep(0.002)
+                eng.cancel(reqs[-1])
+            elif i % 4 == 3:
+                time.sleep(0.05)
+        _wait_until_finished(eng, reqs, 900)
+    finally:
+        eng.shutdown()
+    assert backend.slices > slices and not backend.sliced and not backend.prefix.pinned
+    for i, ((prompt, setting), req) in enumerate(zip(asks, reqs)):
+        if i in (2, 9):
+            assert req.finished in ("abort", "length")
+            continue
+        ref = jdspark.generate(target, drafter, np.array(prompt), max_new_tokens=10, eos_token_id=-1, **setting)
+        assert req.finished == "length" and req.output_ids == list(ref.tokens), (i, req.output_ids, ref.tokens)
