@@ -395,8 +395,11 @@ class Engine:
                 self.prefilling.popleft()
                 now.insert(0, (s, req))
                 break
+            before = getattr(self.backend, "slices", 0)  # (a prompt found kept meanwhile needs no slice)
             try:
                 self.prefilling[0][2] = slicer(s, req.sampling)
+                if self.metrics and getattr(self.backend, "slices", 0) > before:
+                    self.metrics.prefill_slice()
             except ValueError as e:  # what its insert would refuse: it alone ends
                 self.prefilling.popleft()
                 with self._cv:

@@ -15,7 +15,9 @@ cache is allocated whole, so this says how full the allocation is, not what it c
 ``vllm:request_decode_time_seconds`` (first token to last), ``vllm:request_inference_time_seconds`` (admission to
 last), ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, ``vllm:request_params_max_tokens``
 (per request), and ``jdspark:verified_tokens_per_step``
-(tokens the target verified per slot per step: the adaptive scheduler's choice). Gauge ``jdspark:step_cost_seconds``
+(tokens the target verified per slot per step: the adaptive scheduler's choice). Counter
+``jdspark:prefill_slices``: long prompts' slices prefilled between the running streams' steps (``--prefill-slice``,
+``jdspark.engine.Engine._slice``). Gauge ``jdspark:step_cost_seconds``
 (labels ``batch``, ``width``): the cost table the adaptive scheduler reads, as measured by warm-up and then by the
 steps served (what a step of that many slots at that verify width costs this server).
 
@@ -92,15 +94,21 @@ class ServeMetrics:
                                         buckets=_TOKENS, registry=r, **lab)
         self.preemptions = Counter("vllm:num_preemptions", "Requests preempted (never: a slot is held to the end).",
                                    registry=r, **lab)
+        self.slices = Counter("jdspark:prefill_slices", "Long prompts' slices prefilled between the running "
+                              "streams' steps (--prefill-slice).", registry=r, **lab)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Slot cache positions in use (fraction, 1 = full).",
                               registry=r, **lab)
         self._m(self.preemptions)
+        self._m(self.slices)
         self._costs_seen = None
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name=model_name, finished_reason=reason)
 
     def _m(self, metric):
         return metric.labels(model_name=self.model)
+
+    def prefill_slice(self) -> None:
+        self._m(self.slices).inc()
 
     def queue_time(self, seconds: float) -> None:
         self._m(self.queue).observe(seconds)

@@ -77,6 +77,7 @@ def test_a_long_prompt_is_prefilled_in_slices_between_the_running_stream_s_steps
         assert req.finished == "length" and req.output_ids == list(ref.tokens), (req.output_ids, ref.tokens)
     # [0, 16), [16, 32), [32, 48), [48, 59) kept one after another; the insert extends [59, 75)
     assert backend.slices - slices == 4
+    assert 'jdspark:prefill_slices_total{model_name="m"} 4.0' in metrics.exposition().decode()
     first = next(i for i, e in enumerate(events) if e[0] == "slice")
     slot_b = events[first][1]
     cut = next(i for i, e in enumerate(events) if e[0] == "launch" and slot_b in e[1])
