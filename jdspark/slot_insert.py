@@ -248,7 +248,8 @@ class Inserts:
         cached = hit[1] if hit is not None else 0
         if hit is None and n > self.prompt_buckets[-1]:
             raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})"
-                             + (" and begins with no prompt the prefix cache keeps" if keep else "")
+                             + ("; its prompt log-probabilities come from one pass of the whole prompt" if ptop >= 0
+                                else " and begins with no prompt the prefix cache keeps" if keep else "")
                              + ("; prefilled in slices it would be served (the server's --prefill-slice)"
                                 if keep and ptop < 0 and not self.slice_tokens else ""))
         P = self.prompt_bucket(n - cached)  # a hit prefills only the tokens after the kept prompt
