@@ -138,9 +138,8 @@ class Inserts:
         if n - kept <= S:
             return True
         end = min(kept + S, n - S)
-        P = self.prompt_bucket(end - kept)
-        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
-        padded[0, :end - kept] = ids[kept:end]
+        padded = self._padded(ids[kept:end])
+        P = padded.shape[1]
         if hit is None:  # the prompt's first slice: a plain insert of it (its first token drawn greedily, dropped)
             self._prefill(slot, padded, end, 0, SAMPLING_OFF, None, dispatch.prefill_chunk(P, self.prefill_chunk))
         else:
@@ -168,6 +167,13 @@ class Inserts:
         if last is not None:
             self.prefix.pin(last, on=False)
         return kept
+
+    def _padded(self, ids) -> np.ndarray:
+        """``ids`` right-padded into their prompt bucket: int32 [1, P] (what the insert and extension programs
+        take)."""
+        padded = np.full((1, self.prompt_bucket(len(ids))), self.cfg.pad_token_id, np.int32)
+        padded[0, :len(ids)] = ids
+        return padded
 
     def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
         try:
@@ -255,8 +261,7 @@ class Inserts:
         P = self.prompt_bucket(n - cached)  # a hit prefills only the tokens after the kept prompt
         # (a multi-step launch may step a row past its request's end: those positions are written only after the
         # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
-        padded = np.full((1, P), self.cfg.pad_token_id, np.int32)
-        padded[0, :n - cached] = req.prompt_ids[cached:]
+        padded = self._padded(req.prompt_ids[cached:])
         media = self._media(req, P)  # before the slot's bookkeeping changes: bad images leave the slot as it was
         cap = self.G if req.speculative else 0
         # an image prompt is prefilled in one pass (chunked prefill with images is not built); its bucket bounds it

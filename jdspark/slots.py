@@ -459,9 +459,7 @@ class SlotBackend(StartUp, Inserts):
             return
         row, kept, ids = plan
         n = len(ids) - kept
-        padded = np.full((1, self.prompt_bucket(n)), self.cfg.pad_token_id, np.int32)
-        padded[0, :n] = ids[kept:]
-        self._extend(0, row, padded, n, 0)
+        self._extend(0, row, self._padded(ids[kept:]), n, 0)
         new = self.prefix.store(ids)
         if new is not None:
             self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(new))
