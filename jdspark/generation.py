@@ -105,13 +105,27 @@ def cache_positions(P: int, max_new: int, G: int, chunk: Optional[int] = None) -
     return (P if chunk is None else chunked_positions(P, chunk)) + max_new + G + 1
 
 
-def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id: int, threshold: float,
+NEW_TOKENS_BUCKET = 16  # generate's programs hold max_new_tokens rounded up to a multiple of this (traced within)
+
+
+def new_tokens_capacity(max_new: int, base: int, max_len: Optional[int] = None) -> int:
+    """The new tokens ``generate``'s program for ``max_new`` holds: max_new rounded up to a multiple of
+    ``NEW_TOKENS_BUCKET``, so that lengths in one bucket share a compiled program (the count generated is traced),
+    at the cost of at most 15 more cache positions; held to ``max_len - base`` (``base``: the cache positions of
+    the prompt and a block, ``cache_positions(P, 0, G)``) where ``max_len`` caps the caches, but never below
+    max_new."""
+    capacity = _bucket(max_new, NEW_TOKENS_BUCKET)
+    return capacity if max_len is None else max(max_new, min(capacity, max_len - base))
+
+
+def _generate_program(t_graph, d_graph, capacity: int, sp: SamplingParams, eos_id: int, threshold: float,
                       t_state, d_state, prompt_1P, prompt_len, key, stream=None, chunk=None, media_MD=None,
-                      penalties=None, controls=None, fsm=None, first_allowed_V=None, width=None):
+                      penalties=None, controls=None, fsm=None, first_allowed_V=None, width=None, max_new=None):
     """The whole generation (prefill + loop) of the served pair (``serving_pair``'s modules, split). Static:
-    graphs, max_new, sampling params, threshold, stream, chunk (the prefill's chunk size, None for one pass),
-    penalties (``sampling.Penalties`` or None);
-    traced: ``eos_id`` (-1: none), ``media_MD`` (image features merged in the prefill), ``controls``
+    graphs, capacity (the most new tokens the program's output and caches hold), sampling params, threshold,
+    stream, chunk (the prefill's chunk size, None for one pass), penalties (``sampling.Penalties`` or None);
+    traced: ``max_new`` (the tokens generated, at most ``capacity``; None: ``capacity``), ``eos_id`` (-1: none),
+    ``media_MD`` (image features merged in the prefill), ``controls``
     (``LogitControls`` or None), ``fsm`` (a ``jdspark.grammar`` table by token classes, (next_QC, class_V), or
     None), ``first_allowed_V`` (bool [V], the first token's ids, or None).
 
@@ -122,21 +136,24 @@ def _generate_program(t_graph, d_graph, max_new: int, sp: SamplingParams, eos_id
     P = prompt_1P.shape[1]
     G = drafter.config.block_size if drafter is not None else 0
     st0, first = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp,
-                                cache_positions(P, max_new, G, chunk), chunk, media_MD, penalties=penalties,
+                                cache_positions(P, capacity, G, chunk), chunk, media_MD, penalties=penalties,
                                 controls=controls, grammar=None if fsm is None else (0, *fsm),
                                 first_allowed_V=first_allowed_V)
-    return decode_loop(target, drafter, st0, first, max_new, sp, eos_id, threshold, stream, penalties, width)
+    return decode_loop(target, drafter, st0, first, capacity if max_new is None else max_new, sp, eos_id, threshold,
+                       stream, penalties, width, capacity)
 
 
-def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingParams, eos_id: int,
-                threshold: float = 0.0, stream=None, penalties: Optional[Penalties] = None, width=None):
+def decode_loop(target, drafter, st0: Stream, first, max_new, sp: SamplingParams, eos_id: int,
+                threshold: float = 0.0, stream=None, penalties: Optional[Penalties] = None, width=None,
+                capacity: Optional[int] = None):
     """The generation after its prefill (``prefill_stream``'s Stream and first token): ``spec_step`` (or
     ``plain_step`` without a drafter) in a ``lax.while_loop`` until EOS or ``max_new`` tokens, the first included.
-    ``width``: ``spec_step``'s (static; None: the whole block).
-    Returns (out [max_new + G + 1] (the first n_out valid), n_out, GenStats). Usable inside jit; a benchmark jits
+    ``width``: ``spec_step``'s (static; None: the whole block). ``max_new`` may be traced when ``capacity`` (static,
+    >= it) sizes the output; None: ``max_new`` does (an int).
+    Returns (out [capacity + G + 1] (the first n_out valid), n_out, GenStats). Usable inside jit; a benchmark jits
     it alone to time and measure decoding apart from the prefill (scripts/bench_long.py)."""
     G = drafter.config.block_size if drafter is not None else 0
-    out = jnp.zeros((max_new + G + 1,), jnp.int32)
+    out = jnp.zeros(((max_new if capacity is None else capacity) + G + 1,), jnp.int32)
     st = _Loop(out=out, n_out=jnp.int32(0), stream=st0, done=jnp.bool_(False),
                stats=GenStats(jnp.int32(0), jnp.int32(0), jnp.int32(0), jnp.zeros((G,), jnp.int32)))
     o, n_out, done = _emit(st, first, jnp.int32(1), eos_id, max_new, stream)
@@ -159,7 +176,7 @@ def decode_loop(target, drafter, st0: Stream, first, max_new: int, sp: SamplingP
     return st.out, st.n_out, st.stats
 
 
-_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12, 14, 18))  # eos_id, controls traced
+_generate_jit = jax.jit(_generate_program, static_argnums=(0, 1, 2, 3, 5, 11, 12, 14, 18))  # max_new, eos traced
 
 
 def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
@@ -172,7 +189,8 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     """Generate up to ``max_new_tokens`` after ``prompt_ids`` (1-D, or [1, T]) in one device program.
 
     drafter=None gives plain decoding. Prompts are right-padded to a multiple of ``prompt_bucket`` (of the chunk
-    size when chunked) so prompts of the same padded length share one compiled program. EOS (default: the
+    size when chunked) so prompts of the same padded length share one compiled program, and max_new_tokens is held
+    in a program for its multiple of 16 (``new_tokens_capacity``; the count itself traced). EOS (default: the
     target's eos_token_id; -1 disables it) ends the generation and is included in the output. ``stream(ids)``
     receives the committed tokens step by step (host callback: slower, for interactive display). A target and
     drafter placed on a mesh by ``sharding.shard_model`` run the same program there.
@@ -240,6 +258,7 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
         raise ValueError(f"max_len: the prompt ({len(ids)} tokens, padded to {P}) + max_new_tokens "
                          f"({max_new_tokens}) + a verify block ({G + 1}) need a cache of {need} positions; the "
                          f"limit is max_len={max_len}")
+    capacity = new_tokens_capacity(int(max_new_tokens), cache_positions(P, 0, G, chunk), max_len)
     padded = np.full((1, P), cfg.pad_token_id, np.int32)
     padded[0, :len(ids)] = ids
     prompt = target.partition.replicate(padded)
@@ -259,11 +278,12 @@ def generate(target, drafter, prompt_ids, max_new_tokens: int = 256, temperature
     served_t, served_d = serving_pair(target, drafter)
     t_graph, t_state = nnx.split(served_t)
     d_graph, d_state = nnx.split(served_d) if served_d is not None else (None, None)
-    out, n_out, stats = _generate_jit(t_graph, d_graph, int(max_new_tokens), sp, jnp.int32(eos),
+    out, n_out, stats = _generate_jit(t_graph, d_graph, capacity, sp, jnp.int32(eos),
                                       float(confidence_threshold),
                                       t_state, d_state, prompt, jnp.int32(len(ids)),
                                       jax.random.key(seed), stream, chunk, media, pen, controls, fsm,
-                                      None if first_allowed is None else jnp.asarray(first_allowed), width)
+                                      None if first_allowed is None else jnp.asarray(first_allowed), width,
+                                      jnp.int32(max_new_tokens))
     n = int(n_out)
     return GenerateOutput(tokens=np.asarray(out)[:n], stats=jax.device_get(stats))
 

@@ -104,6 +104,24 @@ def test_one_program_per_padded_length(tiny_cfg):
     out = generation.generate(target, drafter, np.arange(20, 50), max_new_tokens=16, seed=5)  # same bucket (64)
     assert generation.compiled_programs() == n
     assert out.num_tokens == 16
+    # max_new_tokens 17 .. 32 share one program too (held in its multiple of 16, the count traced), and a shorter
+    # generation is the longer one's beginning, its stats counting only its own steps
+    longer = generation.generate(target, drafter, np.arange(3, 13), max_new_tokens=32, eos_token_id=-1)
+    n = generation.compiled_programs()
+    shorter = generation.generate(target, drafter, np.arange(3, 13), max_new_tokens=21, eos_token_id=-1)
+    assert generation.compiled_programs() == n
+    assert shorter.num_tokens == 21 and list(shorter.tokens) == list(longer.tokens[:21])
+    assert 0 < shorter.stats.target_steps < longer.stats.target_steps
+    # each step commits its accepted drafts + 1 (the last: its accepted drafts up to the 21st token), the prefill
+    # the first token: the steps past the 21st token are not counted
+    assert 21 - 1 <= shorter.stats.accepted + shorter.stats.target_steps <= 21
+
+
+def test_new_tokens_capacity():
+    assert [generation.new_tokens_capacity(m, 40) for m in (1, 16, 17, 100)] == [16, 16, 32, 112]
+    # a cache cap holds the capacity to what fits, never below what was asked
+    assert generation.new_tokens_capacity(17, 40, max_len=60) == 20
+    assert generation.new_tokens_capacity(17, 40, max_len=50) == 17
 
 
 def test_bad_input(tiny_cfg):
