@@ -65,7 +65,7 @@ class SamplingRequest:
     spec_mode: Optional[str] = None  # "fixed" | "adaptive" | None (the server's default)
     images: Optional[object] = None  # kimi.image.VisionInput; prompt_ids holds its placeholders expanded
     logprobs: Optional[int] = None  # each token's log-probability and this many top ones (None: none)
-    prompt_logprobs: Optional[int] = None  # the same for the prompt's tokens (``echo``); its insert prefills it all
+    prompt_logprobs: Optional[int] = None  # the same for the prompt's tokens (``echo``): prefilled whole or in slices
     repetition_penalty: float = 1.0  # ``jdspark.sampling.Penalties`` (1, 0, 0: off)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

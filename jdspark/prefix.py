@@ -200,18 +200,20 @@ def snapshot(pool, state, slot, row):
 @functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "logprobs", "penalties"),
                    donate_argnames=("state",))
 def extend(t_graph, d_graph, t_state, d_state, state, pool, slot, row, ext_1E, ext_len, key, temp, top_k, top_p,
-           min_p, penalties_3, controls=None, first_allowed_V=None, grammar=None, *, logprobs=None,
-           penalties: bool = True):
+           min_p, penalties_3, controls=None, first_allowed_V=None, grammar=None, want_prompt=None,
+           next_token=None, *, logprobs=None, penalties: bool = True):
     """Prefill the extension ``ext_1E`` (``ext_len`` valid) on the kept prompt ``pool[row]`` into ``slot``:
-    (state, first token [1]) and, with ``logprobs``, its ``TokenLogprobs``. One program per extension bucket E;
-    slot and row traced; ``penalties_3``, ``controls``, ``first_allowed_V`` and ``grammar`` (the request's
-    automaton, so a constrained request may extend a kept prompt too) as ``slot_programs.insert_row``'s."""
+    (state, first token [1]) and, with ``logprobs``, (its ``TokenLogprobs``, the extension's prompt entries where
+    ``want_prompt`` says so: ``speculative.extend_stream``). One program per extension bucket E; slot and row
+    traced; ``penalties_3``, ``controls``, ``first_allowed_V``, ``grammar`` (the request's automaton, so a
+    constrained request may extend a kept prompt too) and ``next_token`` as ``slot_programs.insert_row``'s."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p, min_p)
     kept = jax.tree.map(lambda p: p[row], pool)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     new, first, *lp = extend_stream(target, drafter, kept, ext_1E, ext_len, key, sp, logprobs=logprobs,
                                     penalties=pen, controls=controls if penalties else None,
-                                    first_allowed_V=first_allowed_V, grammar=grammar)
+                                    first_allowed_V=first_allowed_V, grammar=grammar,
+                                    want_prompt_logprobs=want_prompt, next_token=next_token)
     new = no_stops(new, state, slot)  # a request's stop strings: ``stop_strings.set_stops`` after this
     return (jax.tree.map(lambda s, r: s.at[slot].set(r), state, new), first, *lp)

@@ -49,6 +49,24 @@ def _scalars(samp) -> tuple:
 
 
 @dataclasses.dataclass
+class _Sliced:
+    """A long prompt's record while it is prefilled in slices (``Inserts.prefill_slice``; ``SlotBackend.sliced``)."""
+    before: int  # its prompt tokens the prefix cache kept before its slices (its insert reports them as cached)
+    last: Optional[tuple]  # the prompt its last slice kept (pinned in the prefix cache), None before the first
+    ptop: int  # the top entries of its prompt's log-probabilities asked (-1: none)
+    entries: Optional[list] = None  # with ptop: prompt tokens 0 .. (its last slice's end)'s entries (the first None)
+
+    def __post_init__(self):
+        if self.ptop >= 0 and self.entries is None:
+            self.entries = [None]
+
+
+def _prompt_entries(lp, n: int, top: int) -> list:
+    """The host entries (``host_entries``, with ranks) of the first ``n`` prompt positions of ``lp``."""
+    return host_entries(lp.chosen_K, lp.top_ids_KL, lp.top_KL, n, top, lp.rank_K)
+
+
+@dataclasses.dataclass
 class _Insert:
     """A request checked and its slot's host bookkeeping done (``Inserts._prepare``): what its device program takes."""
     slot: int
@@ -95,17 +113,20 @@ class Inserts:
     # ------------------------------------------------------------------ long prompts in slices
     def slices_needed(self, req: SamplingRequest, busy: bool = True) -> bool:
         """Whether ``req``'s prompt is prefilled in slices (``prefill_slice``, the engine stepping the other slots
-        between them) before its insert: slicing is on (``slice_tokens``), the prefix cache may serve the prompt
-        (text, no prompt log-probabilities) and its insert would prefill more than ``slice_tokens`` tokens after the
-        longest kept prompt it begins with. Not ``busy`` (no other stream runs or waits, so no stream would wait
-        for it): only where one insert could not take the prompt at all (past the largest bucket, and no kept
-        prompt leaves a rest that fits): in slices its first token comes later (docs/serving.md)."""
+        between them) before its insert: slicing is on (``slice_tokens``), the prefix cache may keep the prompt
+        (text) and its insert would prefill more than ``slice_tokens`` tokens after the longest kept prompt it
+        begins with (a request asking for its prompt's log-probabilities: after none, its slices computing them).
+        Not ``busy`` (no other stream runs or waits, so no stream would wait for it): only where one insert could
+        not take the prompt at all (past the largest bucket, and no kept prompt leaves a rest that fits): in slices
+        its first token comes later (docs/serving.md)."""
         S = self.slice_tokens
-        if not S or not self._keeps(req) or req.prompt_logprobs is not None or len(req.prompt_ids) <= S:
+        if not S or not self._keeps(req) or len(req.prompt_ids) <= S:
             return False
         n = len(req.prompt_ids)
         if not busy and n <= self.prompt_buckets[-1]:
             return False
+        if req.prompt_logprobs is not None:
+            return True
         most = S if busy else self.prompt_buckets[-1]
         return self.prefix.lookup(req.prompt_ids, lambda m: n - m <= most and self.extension_bucket(m, n) is not None,
                                   count=False) is None
@@ -121,7 +142,12 @@ class Inserts:
         tokens (n > S) is cut as [0, S), [S, 2S), ... up to n - S, then [n - S, n) is the insert's own extension,
         so every padded slice ends inside the cache (kept + its bucket <= n). The last slice's row is pinned until
         the insert (``PrefixPool.pin``: the prompts kept meanwhile evict other rows); were it gone anyway (the cache
-        cleared), the next slice starts from the longest prefix still kept: more work, the same prompt."""
+        cleared), the next slice starts from the longest prefix still kept: more work, the same prompt.
+
+        A request asking for its prompt's log-probabilities starts from its own slices only (the kept tokens'
+        entries are theirs): each slice computes its tokens' entries, the last one scoring the next slice's first
+        token, gathered in its record (``_Sliced``) until the insert adds the rest; were its last slice gone, it
+        starts over."""
         S, ids, n = self.slice_tokens, tuple(int(t) for t in req.prompt_ids), len(req.prompt_ids)
 
         def finishes(m):  # from m kept tokens, either another slice or the insert's extension does the rest
@@ -129,44 +155,57 @@ class Inserts:
 
         first = slot not in self.sliced
         if first:
-            self._check(req)
+            _, _, ptop = self._check(req)
             self._controls(req), self._first(req)  # a bad bias or first-token set is refused before any work
-        hit = self.prefix.lookup(ids, finishes, count=first)
+        rec = self.sliced[slot] if not first else _Sliced(0, None, ptop)
+        if rec.ptop < 0:
+            hit = self.prefix.lookup(ids, finishes, count=first)
+        else:  # its own last slice, or from the start (its prompt never counted a prefix-cache query, as vLLM's)
+            hit = None if rec.last is None else self.prefix.lookup(
+                ids, lambda m: m == len(rec.last) and finishes(m), count=False)
         kept = 0 if hit is None else hit[1]
+        if rec.ptop >= 0:  # the entries of prompt tokens 0 .. kept (the first: None), as the slices gave them
+            rec.entries = rec.entries[:kept + 1]
         if first:  # the prompt tokens its client had kept (``StepOutput.cached``), and its last slice kept (pinned)
-            self.sliced[slot] = (kept, None)
+            rec.before = kept
+            self.sliced[slot] = rec
         if n - kept <= S:
             return True
         end = min(kept + S, n - S)
         padded = self._padded(ids[kept:end])
         P = padded.shape[1]
+        asks = rec.ptop >= 0
         if hit is None:  # the prompt's first slice: a plain insert of it (its first token drawn greedily, dropped)
-            self._prefill(slot, padded, end, 0, SAMPLING_OFF, None, dispatch.prefill_chunk(P, self.prefill_chunk))
+            _, lp = self._prefill(slot, padded, end, 0, SAMPLING_OFF, None,
+                                  dispatch.prefill_chunk(P, self.prefill_chunk), asks, next_token=ids[end])
         else:
-            self._extend(slot, hit[0], padded, end - kept, 0)
+            _, lp = self._extend(slot, hit[0], padded, end - kept, 0, prompt_logprobs=asks, next_token=ids[end])
+        if asks:  # its tokens kept + 1 .. end (the last the next slice's first token)
+            rec.entries += _prompt_entries(jax.device_get(lp[1]), end - kept, rec.ptop)
         # the slice before this one's row now keeps this one (one row for all its slices), else a row of its own;
         # pinned until the insert, so that the prompts kept meanwhile cannot evict it (``_unslice``)
-        before, last = self.sliced[slot]
-        row = self.prefix.rekey(last, ids[:end]) if last == ids[:kept] else self.prefix.store(ids[:end])
+        row = self.prefix.rekey(rec.last, ids[:end]) if rec.last == ids[:kept] else self.prefix.store(ids[:end])
         if row is not None:
             self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
-            if last is not None:
-                self.prefix.pin(last, on=False)
+        if row is not None or ids[:end] in self.prefix.rows:  # kept now, or already (the state after these tokens:
+            # a request asking for prompt log-probabilities, which looks up its own last slice only, goes on from it)
+            if rec.last is not None and rec.last != ids[:end]:
+                self.prefix.pin(rec.last, on=False)
             self.prefix.pin(ids[:end])
-            self.sliced[slot] = (before, ids[:end])
+            rec.last = ids[:end]
         self.slices += 1
         # done before the engine's next launch is dispatched: queued behind it instead, the slice, the pool's copy
         # and the launch ran slower together (a 512-token slice's pass ~280 ms of the streams' time, ~150 so)
         jax.block_until_ready((self.state, self.pool))
         return n - end <= S
 
-    def _unslice(self, slot: int) -> int:
+    def _unslice(self, slot: int) -> "_Sliced":
         """Drop ``slot``'s slicing record (its insert ran, was refused, or its request went away) and unpin its last
-        slice: the prompt tokens kept before its slices (0 without a record)."""
-        kept, last = self.sliced.pop(slot, (0, None))
-        if last is not None:
-            self.prefix.pin(last, on=False)
-        return kept
+        slice: the record (an empty one without)."""
+        rec = self.sliced.pop(slot, None) or _Sliced(0, None, -1)
+        if rec.last is not None:
+            self.prefix.pin(rec.last, on=False)
+        return rec
 
     def _padded(self, ids) -> np.ndarray:
         """``ids`` right-padded into their prompt bucket: int32 [1, P] (what the insert and extension programs
@@ -246,18 +285,23 @@ class Inserts:
         n = len(req.prompt_ids)
         mode, top, ptop = self._check(req)
         keep = self._keeps(req)
-        # the prompt's log-probabilities come from a fresh one-pass prefill (a cache hit skips the kept tokens);
-        # a prompt prefilled in slices was counted by the prefix cache at its first (``prefill_slice``)
-        hit = (self.prefix.lookup(req.prompt_ids, lambda m: self.extension_bucket(m, n) is not None,
-                                  count=slot not in self.sliced)
-               if keep and ptop < 0 else None)
+        # a prompt prefilled in slices was counted by the prefix cache at its first (``prefill_slice``); one whose
+        # prompt log-probabilities are asked extends its own last slice only (the kept tokens' entries are the
+        # slices'), else it is prefilled whole (a hit would skip the kept tokens' entries)
+        fits = (lambda m: self.extension_bucket(m, n) is not None)
+        rec = self.sliced.get(slot)
+        if ptop >= 0:
+            last = None if rec is None else rec.last
+            hit = None if last is None or not keep else self.prefix.lookup(
+                req.prompt_ids, lambda m: m == len(last) and fits(m), count=False)
+        else:
+            hit = self.prefix.lookup(req.prompt_ids, fits, count=rec is None) if keep else None
         cached = hit[1] if hit is not None else 0
         if hit is None and n > self.prompt_buckets[-1]:
             raise ValueError(f"prompt of {n} tokens exceeds the largest prompt bucket ({self.prompt_buckets[-1]})"
-                             + ("; its prompt log-probabilities come from one pass of the whole prompt" if ptop >= 0
-                                else " and begins with no prompt the prefix cache keeps" if keep else "")
+                             + (" and begins with no prompt the prefix cache keeps" if keep and ptop < 0 else "")
                              + ("; prefilled in slices it would be served (the server's --prefill-slice)"
-                                if keep and ptop < 0 and not self.slice_tokens else ""))
+                                if keep and not self.slice_tokens else ""))
         P = self.prompt_bucket(n - cached)  # a hit prefills only the tokens after the kept prompt
         # (a multi-step launch may step a row past its request's end: those positions are written only after the
         # request has all its tokens, clamped into the row's own cache, and the row is reset on its next insert)
@@ -324,7 +368,7 @@ class Inserts:
                                       prep.ptop >= 0, prep.pen, prep.controls, prep.grammar, prep.first_V)
         else:
             first, lp = self._extend(prep.slot, prep.hit[0], prep.padded, prep.n - prep.cached, prep.req.seed,
-                                     prep.samp, prep.pen, prep.controls, prep.first_V, prep.grammar)
+                                     prep.samp, prep.pen, prep.controls, prep.first_V, prep.grammar, prep.ptop >= 0)
         lp_first = lp_prompt = None
         if max(prep.top, prep.ptop) >= 0:
             lp_first, lp_prompt = jax.device_get(lp)
@@ -361,7 +405,8 @@ class Inserts:
         """After ``prep``'s program: its stop strings on the device, the prefix cache's copy of its prompt, its
         first token's (and prompt's) log-probabilities as the engine reads them."""
         slot, req, n = prep.slot, prep.req, prep.n
-        cached = self._unslice(slot) if slot in self.sliced else prep.cached  # sliced: what was kept before
+        rec = self._unslice(slot) if slot in self.sliced else None
+        cached = prep.cached if rec is None else rec.before  # sliced: what was kept before its slices
         self._set_stops(slot, req)
         row = self.prefix.store(req.prompt_ids) if prep.keep else None
         if row is not None:  # the state after this prompt, for the prompts that will begin with it
@@ -369,9 +414,9 @@ class Inserts:
         entries = prompt = None
         if prep.top >= 0:
             entries = host_entries(lp_first.chosen_K, lp_first.top_ids_KL, lp_first.top_KL, 1, prep.top)
-        if prep.ptop >= 0:  # the first prompt token has none (nothing before it)
-            prompt = [None] + host_entries(lp_prompt.chosen_K, lp_prompt.top_ids_KL, lp_prompt.top_KL, n - 1,
-                                           prep.ptop, lp_prompt.rank_K)  # with each prompt token's rank
+        if prep.ptop >= 0:  # tokens 0 .. kept's from its slices (the first has none), then the rest's
+            before = [None] if rec is None else rec.entries[:prep.cached + 1]
+            prompt = before + _prompt_entries(lp_prompt, n - 1 - prep.cached, prep.ptop)  # with their ranks
         return StepOutput([first], cached=cached, logprobs=entries, prompt_logprobs=prompt)
 
     def _set_stops(self, slot: int, req: SamplingRequest) -> None:
@@ -394,46 +439,57 @@ class Inserts:
         return first_token_input(self.cfg.vocab_size, req)
 
     def _extend(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                penalties=(1.0, 0.0, 0.0), controls=None, first_V=None, grammar=None):
+                penalties=(1.0, 0.0, 0.0), controls=None, first_V=None, grammar=None, prompt_logprobs: bool = False,
+                next_token: int = -1):
         """Prefill the first ``n`` tokens of ``padded_1E`` on the kept prompt in pool row ``row``, into ``slot``
-        (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, None) where they are served,
-        else None)."""
+        (the state donated and replaced): (the first token [1], (its ``TokenLogprobs``, the extension's prompt
+        entries where asked) where they are served, else None)."""
         self.state, first, *lp = extend(*self._extend_args(slot, row, padded_1E, n, seed, samp, penalties, controls,
-                                                           first_V, grammar), **self._extend_kw())
+                                                           first_V, grammar, prompt_logprobs, next_token),
+                                        **self._extend_kw())
         return first, (lp[0] if lp else None)
 
     def _extend_kw(self) -> dict:
         return dict(logprobs=self.max_logprobs, penalties=self.penalties)
 
     def _extend_args(self, slot: int, row: int, padded_1E, n: int, seed: int, samp=SAMPLING_OFF,
-                     penalties=(1.0, 0.0, 0.0), controls=None, first_V=None, grammar=None) -> tuple:
+                     penalties=(1.0, 0.0, 0.0), controls=None, first_V=None, grammar=None,
+                     prompt_logprobs: bool = False, next_token: int = -1) -> tuple:
         """``prefix.extend``'s arguments (one place for an insert and the ahead-of-time compile)."""
         return (self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, self.pool, np.int32(slot),
                 np.int32(row), np.asarray(padded_1E, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                 np.asarray(penalties, np.float32),
                 self._controls() if controls is None else controls, self._first() if first_V is None else first_V,
-                self._grammar() if grammar is None else grammar)
+                self._grammar() if grammar is None else grammar, *self._prompt_args(prompt_logprobs, next_token))
+
+    def _prompt_args(self, prompt_logprobs: bool, next_token: int) -> tuple:
+        """The insert and extension programs' (want_prompt, next_token): whether the prompt's log-probabilities are
+        computed, and the token after the prefilled ones (-1: none); (None, None) where none are served."""
+        if self.max_logprobs is None:
+            return None, None
+        return np.bool_(prompt_logprobs), np.int32(next_token)
 
     def _prefill(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk, prompt_logprobs: bool = False,
-                 penalties=(1.0, 0.0, 0.0), controls=None, grammar=None, first_V=None):
+                 penalties=(1.0, 0.0, 0.0), controls=None, grammar=None, first_V=None, next_token: int = -1):
         """Run the compiled insert into ``slot`` (the state donated and replaced); the first token [1]. The scalars
         go in as NumPy values, converted by the call itself (a ``jnp`` scalar is a device dispatch of its own,
         ~45 us each here). Returns as ``_extend`` (with the prompt's log-probabilities where asked)."""
         args, kw = self._insert_args(slot, padded_1P, n, seed, samp, media_PD, chunk, prompt_logprobs, penalties,
-                                     controls, grammar, first_V)
+                                     controls, grammar, first_V, next_token)
         self.state, first, *lp = insert_row(*args, **kw)
         return first, (lp[0] if lp else None)
 
     def _insert_args(self, slot: int, padded_1P, n: int, seed: int, samp, media_PD, chunk,
                      prompt_logprobs: bool = False, penalties=(1.0, 0.0, 0.0), controls=None,
-                     grammar=None, first_V=None) -> tuple:
+                     grammar=None, first_V=None, next_token: int = -1) -> tuple:
         """``insert_row``'s arguments (one place for a prefill and ``warm_up``'s ahead-of-time compile of it)."""
-        want = None if self.max_logprobs is None else np.bool_(prompt_logprobs)
+        want, after = self._prompt_args(prompt_logprobs, next_token)
         return ((self.t_graph, self.d_graph, self.t_state, self.d_state, self.state, np.int32(slot),
                  np.asarray(padded_1P, np.int32), np.int32(n), jax.random.key(seed), *_scalars(samp),
                  np.asarray(penalties, np.float32), media_PD, want,
                  self._controls() if controls is None else controls,
-                 self._grammar() if grammar is None else grammar, self._first() if first_V is None else first_V),
+                 self._grammar() if grammar is None else grammar, self._first() if first_V is None else first_V,
+                 after),
                 dict(max_len=self.max_len, chunk=chunk, logprobs=self.max_logprobs, penalties=self.penalties))
 
     def _media(self, req: SamplingRequest, P: int):

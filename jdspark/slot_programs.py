@@ -52,7 +52,7 @@ def buckets_up_to(n: int, smallest: int = 1) -> tuple:
                    donate_argnames=("state",))
 def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, prompt_len, key, temp, top_k, top_p,
                min_p, penalties_3, media_PD=None, want_prompt=None, controls=None, grammar=None, first_allowed_V=None,
-               *, max_len,
+               next_token=None, *, max_len,
                chunk=None,
                logprobs: Optional[int] = None, penalties: bool = True):
     """Prefill one request into ``slot``: (state, first token [1]) and, with ``logprobs``, (the first token's
@@ -63,14 +63,16 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     rows carry no counts), ``controls`` its logit_bias and min_tokens (``sampling.LogitControls``; with
     ``penalties``, which compiles both in), ``grammar`` its automaton (state, table by token classes [Q, C], class
     of each id [V]: ``jdspark.grammar``; state -1 for an unconstrained request; None: the slots carry none),
-    ``first_allowed_V`` the ids its first token may be (bool [V], all True but for token healing)."""
+    ``first_allowed_V`` the ids its first token may be (bool [V], all True but for token healing), ``next_token``
+    the token after the prompt that its last position's prompt entry scores (int32, -1: none; a long prompt's first
+    slice, ``jdspark.slot_insert``)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p, min_p)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None
     row, first, *lp = prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp, max_len, chunk, media_PD,
                                      logprobs=logprobs, want_prompt_logprobs=want_prompt, penalties=pen,
                                      controls=controls if penalties else None, grammar=grammar,
-                                     first_allowed_V=first_allowed_V)
+                                     first_allowed_V=first_allowed_V, next_token=next_token)
     if row.fsm is not None:  # the slot's automaton in the slots' numbering (``slot_automaton``)
         q, next_QC = slot_automaton(row.fsm, row.fsm_next, slot)
         row = dataclasses.replace(row, fsm=q, fsm_next=next_QC)

@@ -230,7 +230,7 @@ class SlotBackend(StartUp, Inserts):
                              f"{slice_tokens} with " + ("no prefix cache" if self.prefix is None else
                                                         f"a minimum of {self.prefix.min_tokens}"))
         self.slice_tokens = slice_tokens
-        # slot -> (prompt tokens kept before its slices, the prompt its last slice kept, pinned) while it is sliced
+        # slot -> its ``slot_insert._Sliced`` record (what was kept before, its last slice, its prompt entries)
         self.sliced: dict = {}
         self.slices = 0  # slices prefilled (``prefill_slice``)
         self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)

@@ -146,7 +146,8 @@ def draft_block(drafter, dcache, anchor_1, anchor_pos, embed_VD, lm_head_DV, key
 def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingParams, max_len: int,
                    chunk: Optional[int] = None, media_MD=None, logprobs: Optional[int] = None,
                    want_prompt_logprobs=None, penalties: Optional[Penalties] = None,
-                   controls: Optional[LogitControls] = None, grammar=None, first_allowed_V=None):
+                   controls: Optional[LogitControls] = None, grammar=None, first_allowed_V=None,
+                   next_token=None):
     """Prefill one right-padded prompt [1, P] (``prompt_len`` valid) into fresh caches of ``max_len`` positions:
     (Stream, first token [1]). The drafter's context gets the prompt's taps (which carry the merged image features
     ``media_MD``, when given).
@@ -160,6 +161,8 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     position i's logits (the last valid one's and the padding's meaningless), computed where
     ``want_prompt_logprobs`` (a traced scalar; None: never) says so, else zeros. Chunked, each chunk's entries are
     taken inside the chunk loop (``prefill_chunked``'s ``logits_fn``), so the prompt's [P, V] logits never exist.
+    ``next_token`` (traced int32; None or < 0: none): the token after the prompt, scored by the last valid position
+    (a long prompt's first slice: ``jdspark.slot_insert``), whose entry is then meaningful too.
 
     ``penalties`` (``sampling.Penalties``; None: the stream carries no counts): the first token is drawn from the
     penalised logits (the prompt's tokens seen, none generated), and the stream keeps the counts the steps read;
@@ -183,7 +186,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
         if drafter is not None:
             dcache = drafter.append_context(dcache, taps_1PX, prompt_len, start_pos=0)
         if with_prompt:
-            next_P = jnp.concatenate([prompt_1P[0, 1:], jnp.zeros((1,), prompt_1P.dtype)])
+            next_P = _after(prompt_1P[0], prompt_len, next_token)
             prompt_lp = when(want_prompt_logprobs, lambda: target.logits_from_hidden(h_PD), next_P, logprobs,
                              with_rank=True)
     else:
@@ -193,7 +196,7 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
             return drafter.append_context(dc, taps_1CX, v_1[0], start_pos=start)
 
         # position i's logits score prompt token i + 1: each chunk reads the next C tokens, one position on
-        next_Q = jnp.pad(prompt_1P[0, 1:], (0, chunked_positions(P, chunk) - P + 1))
+        next_Q = jnp.pad(_after(prompt_1P[0], prompt_len, next_token), (0, chunked_positions(P, chunk) - P))
 
         def prompt_entries(chunk_logits, start):
             next_C = jax.lax.dynamic_slice(next_Q, (start,), (chunk,))
@@ -208,6 +211,15 @@ def prefill_stream(target, drafter, prompt_1P, prompt_len, key, sp: SamplingPara
     row, first, *lp = _start(cache, dcache, last_logits, prompt_1P, prompt_len, key, sp, logprobs, penalties,
                              controls, grammar, first_allowed_V)
     return (row, first, (lp[0], prompt_lp)) if logprobs is not None else (row, first)
+
+
+def _after(tokens_T, valid_len, next_token=None):
+    """[T]: each position's next token, the one scored by its logits (a prompt's log-probabilities): tokens 1 ..
+    T - 1, then 0; ``next_token`` (>= 0; None: none) at position valid_len - 1, the token after the valid ones."""
+    next_T = jnp.concatenate([tokens_T[1:], jnp.zeros((1,), tokens_T.dtype)])
+    if next_token is None:
+        return next_T
+    return next_T.at[valid_len - 1].set(jnp.where(next_token >= 0, next_token, next_T[valid_len - 1]))
 
 
 def prefill_rows(target, prompt_BP, valid_B, max_len: int, taps=(), media_MD=None):
@@ -282,7 +294,8 @@ def _first(row: Stream, first_1) -> Stream:
 
 def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: SamplingParams,
                   logprobs: Optional[int] = None, penalties: Optional[Penalties] = None,
-                  controls: Optional[LogitControls] = None, first_allowed_V=None, grammar=None):
+                  controls: Optional[LogitControls] = None, first_allowed_V=None, grammar=None,
+                  want_prompt_logprobs=None, next_token=None):
     """Prefill ``ext_len`` more prompt tokens (right-padded [1, E]) on top of a stream whose caches already hold a
     prefix of the prompt (a prefix-cache hit: ``jdspark.prefix``): (Stream, first token [1]), as ``prefill_stream``
     of the whole prompt would give up to float reassociation (one chunk of E on the cached state, the chunked
@@ -292,11 +305,13 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
         cache, dcache <- prefill_chunked(ext, cache = row.cache, chunk = E)   MLA attends to the prefix's latents,
                                                                             KDA and conv continue their state
         the drafter's context gets the extension's taps at positions n .. n + ext_len - 1 (n = the prefix's length)
-    The cache must hold n + E positions (the caller checks). ``logprobs``: as ``prefill_stream``'s (the prompt's
-    None: the kept tokens' logits are not computed again); ``penalties`` / ``controls`` / ``first_allowed_V``: as
-    ``prefill_stream``'s (the request's own controls, not the kept prompt's); ``grammar``: as ``prefill_stream``'s,
-    the request's own automaton (state -1 for an unconstrained request) in place of the kept row's (None: the
-    kept row's table, switched off)."""
+    The cache must hold n + E positions (the caller checks). ``logprobs``, ``want_prompt_logprobs`` and
+    ``next_token``: as ``prefill_stream``'s, the prompt's entries [E] those of the extension's tokens (extension
+    token i + 1's from its position i; the kept tokens' are not computed again: a long prompt in slices gathers
+    them slice by slice, each slice's last entry scoring ``next_token``, the next slice's first); ``penalties`` /
+    ``controls`` / ``first_allowed_V``: as ``prefill_stream``'s (the request's own controls, not the kept
+    prompt's); ``grammar``: as ``prefill_stream``'s, the request's own automaton (state -1 for an unconstrained
+    request) in place of the kept row's (None: the kept row's table, switched off)."""
     taps = tuple(drafter.config.aux_hidden_state_layer_ids) if drafter is not None else ()
     E = ext_1E.shape[1]
     base_1 = row.cache.length
@@ -304,10 +319,21 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     def to_drafter(dc, taps_1CX, v_1, start):
         return drafter.append_context(dc, taps_1CX, v_1[0], start_pos=base_1 + start)
 
-    last_1V, cache, dcache = prefill_chunked(target, ext_1E, row.cache, chunk=E, tap_layers=taps,
-                                             valid_len_B=jnp.reshape(ext_len, (1,)).astype(jnp.int32),
-                                             taps_fn=to_drafter if drafter is not None else None,
-                                             taps_init=row.dcache)
+    prompt_entries, prompt_lp = None, None
+    if logprobs is not None and want_prompt_logprobs is not None:
+        next_E = _after(ext_1E[0], ext_len, next_token)
+
+        def prompt_entries(chunk_logits, start):  # one chunk of E (start 0)
+            lp = when(want_prompt_logprobs, lambda: chunk_logits()[0], next_E, logprobs, with_rank=True)
+            return jax.tree.map(lambda x: x[None], lp)
+
+    got, cache, dcache = prefill_chunked(target, ext_1E, row.cache, chunk=E, tap_layers=taps,
+                                         valid_len_B=jnp.reshape(ext_len, (1,)).astype(jnp.int32),
+                                         taps_fn=to_drafter if drafter is not None else None,
+                                         taps_init=row.dcache, logits_fn=prompt_entries)
+    last_1V = got
+    if prompt_entries is not None:
+        last_1V, prompt_lp = got[0], jax.tree.map(lambda x: x[0], got[1])
     k0, key = rng.split(key)
     new = Stream(None, cache, dcache, key)
     if penalties is not None:  # the kept prompt's tokens and the extension's are the prompt; nothing generated
@@ -322,7 +348,7 @@ def extend_stream(target, drafter, row: Stream, ext_1E, ext_len, key, sp: Sampli
     first = sample(k0, penalized(last_1V, new, jnp.zeros((0,), jnp.int32), penalties), sp)
     new = _first(new, first)
     if logprobs is not None:
-        return new, first, (token_logprobs(last_1V, first, logprobs), None)
+        return new, first, (token_logprobs(last_1V, first, logprobs), prompt_lp)
     return new, first
 
 

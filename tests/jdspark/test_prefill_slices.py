@@ -23,7 +23,8 @@ S = 16  # tokens a slice
 def backend(pair):  # noqa: F811
     target, drafter, _ = pair
     return SlotBackend(target, drafter, num_slots=2, max_len=128, prompt_buckets=(16, 32), batch_buckets=(2,),
-                       prefix_pool=4, prefix_min_tokens=8, slice_tokens=S, multi_step=3, multi_step_max_batch=2)
+                       prefix_pool=4, prefix_min_tokens=8, slice_tokens=S, multi_step=3, multi_step_max_batch=2,
+                       max_logprobs=2)
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list:
@@ -188,7 +189,7 @@ def test_a_row_keeps_the_next_slice():
 
 def test_what_is_sliced_and_what_its_insert_reports(pair, backend):  # noqa: F811
     """``slices_needed``: only a prompt whose insert would prefill more than S tokens, that the prefix cache may
-    serve (no grammar, no prompt log-probabilities). A prompt that begins with a kept one is sliced from there, and
+    keep (text; one asking for its prompt's log-probabilities counts every token). A prompt that begins with a kept one is sliced from there, and
     its insert reports the tokens kept before its slices as cached. A bad request is refused at its first slice,
     before any work; a slot freed between slices (a cancelled request) starts over."""
     target, _, _ = pair
@@ -198,10 +199,13 @@ def test_what_is_sliced_and_what_its_insert_reports(pair, backend):  # noqa: F81
     long_ = base + _prompt(60, V, 8)[1:]  # 83 tokens, its first 24 kept below
     assert not backend.slices_needed(SamplingRequest(tuple(long_[:S]), 4))  # one slice's worth
     assert backend.slices_needed(SamplingRequest(tuple(long_[:S + 1]), 4))
-    assert not backend.slices_needed(SamplingRequest(tuple(long_), 4, prompt_logprobs=0))
     backend.insert(0, SamplingRequest(tuple(base), 2))  # kept
     backend.free(0)
     assert not backend.slices_needed(SamplingRequest(tuple(base + long_[24:24 + S]), 4))  # the rest is one slice
+    asks = SamplingRequest(tuple(base + long_[24:32]), 4, prompt_logprobs=0)  # the kept 24 tokens' entries too
+    assert backend.slices_needed(asks) and not backend.slices_needed(asks, busy=False)  # alone: one insert of 32
+    asks = SamplingRequest(tuple(base + long_[24:24 + S]), 4, prompt_logprobs=0)
+    assert backend.slices_needed(asks, busy=False)  # 40 tokens: past the largest bucket, served only in slices
     req = SamplingRequest(tuple(long_), 4)
     assert backend.slices_needed(req)
     slices = backend.slices
@@ -307,3 +311,78 @@ def test_mixed_traffic_with_slices_equals_batch_one_generate(pair, backend):  # 
             continue
         ref = jdspark.generate(target, drafter, np.array(prompt), max_new_tokens=10, eos_token_id=-1, **setting)
         assert req.finished == "length" and req.output_ids == list(ref.tokens), (i, req.output_ids, ref.tokens)
+
+
+def test_a_long_prompt_s_log_probabilities_come_from_its_slices(pair, backend):  # noqa: F811
+    """A request asking for its prompt's log-probabilities (echo) past the largest bucket is served in slices too:
+    from its own first token (not from another request's kept prompt that begins it, whose tokens' entries nobody
+    kept), each slice's last position scoring the next slice's first token; the entries equal the target's
+    log-softmax over the whole sequence in one pass, with their ranks, and its tokens batch-1 generate's."""
+    target, drafter, tok = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    long_ = _prompt(75, V, 21)
+    backend.insert(0, SamplingRequest(tuple(long_[:24]), 2))  # kept: it begins the long prompt
+    backend.free(0)
+    slices = backend.slices
+    eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id).start()
+    got = []
+    try:
+        a = eng.submit(Request(SamplingRequest(tuple(_prompt(12, V, 22)), 40, seed=3), lambda ev: None,
+                               ignore_eos=True))
+        while len(a.output_ids) < 2:  # running before the long prompt arrives
+            assert eng.error is None, eng.error
+            time.sleep(0.005)
+        b = eng.submit(Request(SamplingRequest(tuple(long_), 6, prompt_logprobs=2), got.append, ignore_eos=True))
+        _wait_until_finished(eng, [a, b], 600)
+    finally:
+        eng.shutdown()
+    # [0, 16), [16, 32), [32, 48), [48, 59) from the start (the kept 24 tokens would have left 3), the insert
+    # extending [59, 75); nothing counted as cached
+    assert backend.slices - slices == 4 and b.cached_tokens == 0 and not backend.sliced
+    ref = jdspark.generate(target, drafter, np.array(long_), max_new_tokens=6, eos_token_id=-1)
+    assert b.output_ids == list(ref.tokens)
+    assert all(ev.prompt_logprobs is None for ev in got[1:])
+    _assert_prompt_entries(target, long_, got[0].prompt_logprobs, 2)
+    # the same prompt twice more: the second's slices meet the rows the first's left ([0, 59) and the whole
+    # prompt), whose kept states are theirs too (the state after the same tokens)
+    backend.prefix.clear()
+    req = SamplingRequest(tuple(long_), 2, prompt_logprobs=1)
+    for _ in range(2):
+        assert [backend.prefill_slice(1, req) for _ in range(4)] == [False, False, False, True]
+        out = backend.insert(1, req)
+        backend.free(1)
+        assert out.cached == 0 and not backend.sliced and not backend.prefix.pinned
+        _assert_prompt_entries(target, long_, out.prompt_logprobs, 1)
+    # a slice whose prompt is kept already (here by a request of 16 tokens): it goes on from that row (it looked up
+    # its own last slice only, so a slice it did not keep itself would start it over, again and again)
+    backend.insert(0, SamplingRequest(tuple(long_[:S]), 2))
+    backend.free(0)
+    req40 = SamplingRequest(tuple(long_[:40]), 2, prompt_logprobs=1)
+    assert [backend.prefill_slice(1, req40) for _ in range(2)] == [False, True]  # [0, 16), [16, 24)
+    out = backend.insert(1, req40)
+    backend.free(1)
+    _assert_prompt_entries(target, long_[:40], out.prompt_logprobs, 1)
+    # were its last slice gone between slices (the cache cleared), it starts over from its first token
+    assert not backend.prefill_slice(1, req)  # [0, 16)
+    backend.prefix.clear()
+    assert [backend.prefill_slice(1, req) for _ in range(4)] == [False, False, False, True]  # [0, 16) .. [48, 59)
+    out = backend.insert(1, req)
+    backend.free(1)
+    assert out.cached == 0 and not backend.sliced
+    _assert_prompt_entries(target, long_, out.prompt_logprobs, 1)
+
+
+def _assert_prompt_entries(target, prompt, plp, top):
+    """``plp`` (prompt entries as served: None, then (logprob, top entries, rank) per token) against the log-softmax
+    of the target's logits over the whole prompt in one pass."""
+    assert len(plp) == len(prompt) and plp[0] is None
+    seq = np.array([prompt], np.int32)
+    logits = np.asarray(target.prefill(seq, target.init_cache(1, seq.shape[1])).logits, np.float64)[0]
+    ref_T = logits - logits.max(-1, keepdims=True)
+    ref_T -= np.log(np.exp(ref_T).sum(-1, keepdims=True))
+    np.testing.assert_allclose([e[0] for e in plp[1:]], ref_T[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+    for i, (lp, tops, rank) in enumerate(plp[1:]):
+        assert len(tops) == top
+        np.testing.assert_allclose([v for _, v in tops], np.sort(ref_T[i])[::-1][:top], atol=2e-4)
+        assert np.sum(ref_T[i] > lp + 2e-4) < rank <= np.sum(ref_T[i] >= lp - 2e-4), (i, rank)
