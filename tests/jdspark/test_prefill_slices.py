@@ -189,9 +189,9 @@ def test_a_row_keeps_the_next_slice():
 
 def test_what_is_sliced_and_what_its_insert_reports(pair, backend):  # noqa: F811
     """``slices_needed``: only a prompt whose insert would prefill more than S tokens, that the prefix cache may
-    keep (text; one asking for its prompt's log-probabilities counts every token). A prompt that begins with a kept one is sliced from there, and
-    its insert reports the tokens kept before its slices as cached. A bad request is refused at its first slice,
-    before any work; a slot freed between slices (a cancelled request) starts over."""
+    keep (text; one asking for its prompt's log-probabilities counts every token). A prompt that begins with a kept
+    one is sliced from there, and its insert reports the tokens kept before its slices as cached. A bad request is
+    refused at its first slice, before any work; a slot freed between slices (a cancelled request) starts over."""
     target, _, _ = pair
     V = target.config.vocab_size
     backend.prefix.clear()
