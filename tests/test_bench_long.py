@@ -18,6 +18,7 @@ import bench_long  # noqa: E402
 import jdspark  # noqa: E402
 import kimi  # noqa: E402
 from kimi.tokenizer import ByteTokenizer  # noqa: E402
+from tests.random_pair import random_pair  # noqa: E402
 
 KEYS = {"context", "plain_tok_s", "spec_tok_s", "speedup", "accept_len", "prefill_tok_s", "peak_rss_prefill_bytes",
         "peak_rss_decode_bytes", "cache_bytes", "chunk_activation_bytes", "drafter_window"}
@@ -25,10 +26,7 @@ KEYS = {"context", "plain_tok_s", "spec_tok_s", "speedup", "accept_len", "prefil
 
 @pytest.fixture(scope="module")
 def result():
-    cfg = kimi.KimiConfig.tiny()
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=4), target=target,
-                                    rngs=nnx.Rngs(1))
+    target, drafter = random_pair(block_size=4)
     # the prompt prefilled once (window none), the window-16 ring cut from its context (share_prefill_from)
     return bench_long.run(target, drafter, ByteTokenizer(), lengths=(70,), windows=(None, 16), max_new=8,
                           chunk_flag=32, repeats=1, share_prefill_from=70)

@@ -7,23 +7,18 @@ import os
 import sys
 
 import pytest
-from flax import nnx
-
-import jdspark
-import kimi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_prefix  # noqa: E402
 
+from tests.random_pair import random_pair, source_docs  # noqa: E402
+
 
 def test_turns_timed_both_ways():
-    cfg = kimi.KimiConfig.tiny()
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
-                                    rngs=nnx.Rngs(1))
-    docs = [open(os.path.join(ROOT, "jdspark", f), "rb").read() for f in ("prefix.py", "engine.py", "slots.py")]
+    target, drafter = random_pair()
+    docs = source_docs()
     kw = dict(conversations=1, turns=3, first_len=20, answer_len=6, message_len=6, rounds=1, buckets=(16, 64),
               max_len=128)
     res = bench_prefix.measure(target, drafter, docs, **kw)

@@ -6,23 +6,18 @@ import os
 import sys
 
 import pytest
-from flax import nnx
-
-import jdspark
-import kimi
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import bench_slices  # noqa: E402
 
+from tests.random_pair import random_pair, source_docs  # noqa: E402
+
 
 def test_gaps_and_first_tokens_with_and_without_slices():
-    cfg = kimi.KimiConfig.tiny()
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
-                                    rngs=nnx.Rngs(1))
-    docs = [open(os.path.join(ROOT, "jdspark", f), "rb").read() for f in ("prefix.py", "engine.py", "slots.py")]
+    target, drafter = random_pair()
+    docs = source_docs()
     kw = dict(streams=1, longs=1, short_len=16, long_len=100, answer_len=96, long_answer=2, rounds=1)
     res = bench_slices.measure(target, drafter, docs, slices=(0, 64), **kw)
     assert res["prompt_buckets"] == [64, 128] and set(res["slices"]) == {"0", "64"}

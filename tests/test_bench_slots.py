@@ -7,22 +7,17 @@ import sys
 
 import numpy as np
 import pytest
-from flax import nnx
-
-import jdspark
-import kimi
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import bench_slots  # noqa: E402
 
+from tests.random_pair import random_pair  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg = kimi.KimiConfig.tiny()
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
-                                    rngs=nnx.Rngs(1))
+    target, drafter = random_pair()
     return target, drafter
 
 

@@ -7,21 +7,16 @@ import sys
 
 import numpy as np
 import pytest
-from flax import nnx
-
-import jdspark
-import kimi
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import bench_step_cost  # noqa: E402
 
+from tests.random_pair import random_pair  # noqa: E402
+
 
 def test_pass_costs_and_the_figures_derived_from_them(tmp_path):
-    cfg = kimi.KimiConfig.tiny()
-    target = kimi.KimiForCausalLM(cfg, rngs=nnx.Rngs(0))
-    drafter = jdspark.DSparkDrafter(jdspark.DSparkConfig.for_target(cfg, block_size=3), target=target,
-                                    rngs=nnx.Rngs(1))
+    target, drafter = random_pair()
     block = np.random.default_rng(0).integers(4, 200, 4)
     secs = bench_step_cost.pass_costs(target, drafter, block, 40, (2, 4), 8, iters=1, repeats=1)
     assert set(secs) == {"decode", "verify_2", "verify_4", "draft_none", "draft_8"}
