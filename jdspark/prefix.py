@@ -39,6 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jdspark.graphs import merge_module
 from jdspark.sampling import Penalties, SamplingParams
@@ -77,6 +78,7 @@ class PrefixPool:
         self.queries = self.hits = 0  # prompt tokens looked up, and those found kept (vLLM's counters' units)
         self.pending: collections.deque = collections.deque(maxlen=PENDING_ANSWERS)  # newest last
         self.pinned: set = set()  # kept prompts ``store`` does not evict (a long prompt's slice until its insert)
+        self.answers: set = set()  # kept prompt + answer sequences (``store(answer=True)``): not ``shared``'s
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,7 +88,7 @@ class PrefixPool:
         """(row, n) of the longest kept prompt that is a proper prefix of ``ids`` (n its tokens; at least one token
         of ``ids`` is left to prefill, whose logits give the first token) and for which ``fits(n)`` holds (the
         caller's room for the rest), or None. A hit becomes most recent. ``count``: add to ``queries`` / ``hits``
-        (False for a prompt already counted: a long prompt's later slices and its insert, ``jdspark.slot_insert``)."""
+        (False for a prompt already counted: a long prompt's later slices and its insert, ``jdspark.slot_slices``)."""
         ids = tuple(int(t) for t in ids)
         best = self._longest(ids, fits)
         if count:
@@ -106,6 +108,24 @@ class PrefixPool:
             return None
         self.rows.move_to_end(best[2])
         return best[0], best[1]
+
+    def shared(self, ids: Sequence[int]) -> int:
+        """The most leading tokens ``ids`` has in common with a kept prompt (not a kept answer: a conversation's
+        next turn begins with its prompt + answer, re-encoded perhaps differently at the answer's end, and finds
+        its prompt kept), at most len(ids) - 1; 0 with none. Where this is well past ``lookup``'s longest kept
+        prefix, the two prompts part after a common beginning (a system prompt and tools, a few-shot context, a
+        question before its choices): ``jdspark.slot_slices`` keeps that beginning on its own (``Slices._split``)."""
+        ids_T = np.asarray([int(t) for t in ids], np.int64)
+        best = 0
+        for key in self.rows:
+            if key in self.answers:
+                continue
+            k = min(len(key), len(ids_T) - 1)
+            if k <= best:
+                continue
+            differ = np.flatnonzero(ids_T[:k] != np.asarray(key[:k], np.int64))
+            best = max(best, int(differ[0]) if differ.size else k)
+        return best
 
     def remember(self, ids: Sequence[int]) -> None:
         """A finished request's prompt + answer, to keep when the engine is idle (``next_pending``)."""
@@ -133,15 +153,17 @@ class PrefixPool:
             return row, n, whole[:n + take]
         return None
 
-    def store(self, ids: Sequence[int]) -> Optional[int]:
+    def store(self, ids: Sequence[int], answer: bool = False) -> Optional[int]:
         """The row to copy the state after prompt ``ids`` into (the least recently used one not ``pinned`` when all
         are taken), or None when ``ids`` is too short to keep, already kept (then it becomes most recent) or every
-        row is pinned."""
+        row is pinned. ``answer``: ``ids`` is a finished request's prompt + answer (``next_pending``)."""
         key = tuple(int(t) for t in ids)
         if len(key) < self.min_tokens:
             return None
         if key in self.rows:
             self.rows.move_to_end(key)
+            if not answer:  # a request's prompt now
+                self.answers.discard(key)
             return None
         if len(self.rows) < self.capacity:
             row = len(self.rows)
@@ -150,18 +172,22 @@ class PrefixPool:
             if old is None:
                 return None
             row = self.rows.pop(old)
+            self.answers.discard(old)
         self.rows[key] = row
+        if answer:
+            self.answers.add(key)
         return row
 
     def rekey(self, ids: Sequence[int], longer: Sequence[int]) -> Optional[int]:
         """The row keeping ``ids``, now to keep ``longer`` instead (most recent; the caller copies the state after
         ``longer`` into it), or None where ``ids`` is no longer kept or ``longer`` is already: one row for a long
-        prompt's successive slices (``jdspark.slot_insert``), not one each."""
+        prompt's successive slices (``jdspark.slot_slices``), not one each."""
         key, new = tuple(int(t) for t in ids), tuple(int(t) for t in longer)
         if key not in self.rows or new in self.rows:
             return None
         row = self.rows.pop(key)
         self.rows[new] = row
+        self.answers.discard(key)
         if key in self.pinned:
             self.pinned.discard(key)
             self.pinned.add(new)
@@ -179,6 +205,7 @@ class PrefixPool:
         self.rows.clear()
         self.pending.clear()
         self.pinned.clear()
+        self.answers.clear()
 
 
 def tree_bytes(tree) -> int:

@@ -369,7 +369,7 @@ def make_engine(a: argparse.Namespace):
                           insert_batch=a.insert_batch, slice_tokens=a.prefill_slice,
                           multi_step=a.multi_step, multi_step_max_batch=a.multi_step_max_batch or a.slots,
                           multi_step_plain_max_batch=a.multi_step_plain_max_batch or a.slots,
-                          prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers,
+                          prefix_pool=a.prefix_pool, prefix_answers=a.prefix_answers, prefix_split=a.prefix_split,
                           max_logprobs=a.max_logprobs if a.logprobs else None, penalties=a.penalties,
                           guided_states=a.guided_states, guided_classes=a.guided_classes,
                           num_speculative_tokens=a.num_speculative_tokens,
@@ -399,7 +399,9 @@ def main(argv=None) -> int:
         if backend.prefix is not None:
             mib = tree_bytes(backend.pool) / 2**20
             answers = "answers kept while idle" if backend.prefix_answers else "answers not kept"
-            print(f"[serve] prefix cache: up to {backend.prefix.capacity} prompts kept ({mib:.0f} MiB; {answers})",
+            split = "shared beginnings kept" if backend.prefix_split else "shared beginnings not kept"
+            print(f"[serve] prefix cache: up to {backend.prefix.capacity} prompts kept ({mib:.0f} MiB; {answers}; "
+                  f"{split})",
                   file=sys.stderr, flush=True)
         try:
             backend.warm_up()

@@ -121,6 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with prefix caching, do not keep finished answers while idle (by default the engine, when "
                          "no request runs or waits, prefills each answer on its kept prompt, so a conversation's next "
                          "turn prefills only its new message)")
+    ap.add_argument("--no-prefix-split", dest="prefix_split", action="store_false",
+                    help="with prefix caching, do not keep the beginning two prompts share on its own where they part "
+                         "(by default a prompt sharing 32 or more leading tokens with a kept one beyond what it finds "
+                         "kept, such as a system prompt and tools before each user's message, prefills that "
+                         "beginning first and keeps it, so the prompts after it prefill only their own part)")
     ap.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                     help="the most top log-probabilities a request may ask per token (chat's top_logprobs, "
                          "completions' logprobs)")

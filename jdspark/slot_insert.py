@@ -1,5 +1,6 @@
 """The serving slots' inserts: a request's prompt prefilled into a free slot (``SlotBackend.insert``), several
-admitted together prefilled as one batch (``insert_many``), and a long one prefilled in slices (``prefill_slice``).
+admitted together prefilled as one batch (``insert_many``); what runs in the prefix cache before an insert (a long
+prompt's slices, a shared beginning kept, kept prompt log-probabilities) is ``jdspark.slot_slices``.
 
 A mixin of ``jdspark.slots.SlotBackend`` (split from it by concern: what a request's admission runs, not its steps).
 An insert is three parts: ``_prepare`` (every check and the slot's host bookkeeping; a bad request raises
@@ -14,11 +15,6 @@ a time, 10.3 four at a time; docs/serving.md, "Batched inserts"). The server's d
 A row prefilled in a group equals its prefill alone up to float rounding, not bit for bit (XLA:CPU compiles the two
 programs' sums differently), as a row stepped among others does (docs/serving.md, "Greedy outputs under batching").
 
-Long prompts in slices (``slice_tokens`` S): a prompt whose insert would prefill more than S tokens is prefilled S at
-a time into the prefix cache (``prefill_slice``), the engine stepping the running slots between slices
-(``jdspark.engine.Engine._slice``), and its insert is then a prefix-cache hit on the last slice: a long prompt stalls
-the other streams one slice at a time, and prompts past the largest bucket are served (docs/serving.md, "Long
-prompts in slices").
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from jdspark.logprobs import host_entries
 from jdspark.prefix import extend, snapshot
 from jdspark.slot_inputs import controls_input, first_token_input, grammar_input
 from jdspark.slot_programs import SAMPLING_OFF, STOP_IDS, buckets_up_to, insert_row, insert_rows
+from jdspark.slot_slices import Slices, _prompt_entries
 from jdspark.stop_strings import set_stops
 from kimi import dispatch
 
@@ -46,24 +43,6 @@ def _scalars(samp) -> tuple:
     itself: a ``jnp`` scalar is a device dispatch of its own)."""
     t, k, p, m = samp
     return np.float32(t), np.int32(k), np.float32(p), np.float32(m)
-
-
-@dataclasses.dataclass
-class _Sliced:
-    """A long prompt's record while it is prefilled in slices (``Inserts.prefill_slice``; ``SlotBackend.sliced``)."""
-    before: int  # its prompt tokens the prefix cache kept before its slices (its insert reports them as cached)
-    last: Optional[tuple]  # the prompt its last slice kept (pinned in the prefix cache), None before the first
-    ptop: int  # the top entries of its prompt's log-probabilities asked (-1: none)
-    entries: Optional[list] = None  # with ptop: prompt tokens 0 .. (its last slice's end)'s entries (the first None)
-
-    def __post_init__(self):
-        if self.ptop >= 0 and self.entries is None:
-            self.entries = [None]
-
-
-def _prompt_entries(lp, n: int, top: int) -> list:
-    """The host entries (``host_entries``, with ranks) of the first ``n`` prompt positions of ``lp``."""
-    return host_entries(lp.chosen_K, lp.top_ids_KL, lp.top_KL, n, top, lp.rank_K)
 
 
 @dataclasses.dataclass
@@ -95,7 +74,7 @@ class _Insert:
         return self.hit is None and self.media is None and self.chunk is None and self.ptop < 0
 
 
-class Inserts:
+class Inserts(Slices):
     """``insert``, ``insert_many`` and their helpers of ``SlotBackend``."""
 
     def prompt_bucket(self, n: int) -> int:
@@ -110,103 +89,6 @@ class Inserts:
         E = next((b for b in self.prompt_buckets if b >= n - kept), None)
         return E if E is not None and kept + E <= self.max_len else None
 
-    # ------------------------------------------------------------------ long prompts in slices
-    def slices_needed(self, req: SamplingRequest, busy: bool = True) -> bool:
-        """Whether ``req``'s prompt is prefilled in slices (``prefill_slice``, the engine stepping the other slots
-        between them) before its insert: slicing is on (``slice_tokens``), the prefix cache may keep the prompt
-        (text) and its insert would prefill more than ``slice_tokens`` tokens after the longest kept prompt it
-        begins with (a request asking for its prompt's log-probabilities: after none, its slices computing them).
-        Not ``busy`` (no other stream runs or waits, so no stream would wait for it): only where one insert could
-        not take the prompt at all (past the largest bucket, and no kept prompt leaves a rest that fits): in slices
-        its first token comes later (docs/serving.md)."""
-        S = self.slice_tokens
-        if not S or not self._keeps(req) or len(req.prompt_ids) <= S:
-            return False
-        n = len(req.prompt_ids)
-        if not busy and n <= self.prompt_buckets[-1]:
-            return False
-        if req.prompt_logprobs is not None:
-            return True
-        most = S if busy else self.prompt_buckets[-1]
-        return self.prefix.lookup(req.prompt_ids, lambda m: n - m <= most and self.extension_bucket(m, n) is not None,
-                                  count=False) is None
-
-    def prefill_slice(self, slot: int, req: SamplingRequest) -> bool:
-        """Prefill the next slice (at most ``slice_tokens`` tokens) of ``req``'s prompt after the longest prefix of
-        it the prefix cache keeps, using ``slot`` (free until its insert) as scratch, and keep the result in the
-        prefix cache; True once ``insert(slot, req)`` will prefill the rest as one extension (a hit). ValueError,
-        at the first slice, for what ``insert`` would refuse.
-
-        Each slice starts from what the cache keeps, not from the slot: a launch of the largest batch bucket steps
-        every slot, this one too, and a kept row is copied whole into the slot by the next extension. A prompt of n
-        tokens (n > S) is cut as [0, S), [S, 2S), ... up to n - S, then [n - S, n) is the insert's own extension,
-        so every padded slice ends inside the cache (kept + its bucket <= n). The last slice's row is pinned until
-        the insert (``PrefixPool.pin``: the prompts kept meanwhile evict other rows); were it gone anyway (the cache
-        cleared), the next slice starts from the longest prefix still kept: more work, the same prompt.
-
-        A request asking for its prompt's log-probabilities starts from its own slices only (the kept tokens'
-        entries are theirs): each slice computes its tokens' entries, the last one scoring the next slice's first
-        token, gathered in its record (``_Sliced``) until the insert adds the rest; were its last slice gone, it
-        starts over."""
-        S, ids, n = self.slice_tokens, tuple(int(t) for t in req.prompt_ids), len(req.prompt_ids)
-
-        def finishes(m):  # from m kept tokens, either another slice or the insert's extension does the rest
-            return n - m > S or self.extension_bucket(m, n) is not None
-
-        first = slot not in self.sliced
-        if first:
-            _, _, ptop = self._check(req)
-            self._controls(req), self._first(req)  # a bad bias or first-token set is refused before any work
-        rec = self.sliced[slot] if not first else _Sliced(0, None, ptop)
-        if rec.ptop < 0:
-            hit = self.prefix.lookup(ids, finishes, count=first)
-        else:  # its own last slice, or from the start (its prompt never counted a prefix-cache query, as vLLM's)
-            hit = None if rec.last is None else self.prefix.lookup(
-                ids, lambda m: m == len(rec.last) and finishes(m), count=False)
-        kept = 0 if hit is None else hit[1]
-        if rec.ptop >= 0:  # the entries of prompt tokens 0 .. kept (the first: None), as the slices gave them
-            rec.entries = rec.entries[:kept + 1]
-        if first:  # the prompt tokens its client had kept (``StepOutput.cached``), and its last slice kept (pinned)
-            rec.before = kept
-            self.sliced[slot] = rec
-        if n - kept <= S:
-            return True
-        end = min(kept + S, n - S)
-        padded = self._padded(ids[kept:end])
-        P = padded.shape[1]
-        asks = rec.ptop >= 0
-        if hit is None:  # the prompt's first slice: a plain insert of it (its first token drawn greedily, dropped)
-            _, lp = self._prefill(slot, padded, end, 0, SAMPLING_OFF, None,
-                                  dispatch.prefill_chunk(P, self.prefill_chunk), asks, next_token=ids[end])
-        else:
-            _, lp = self._extend(slot, hit[0], padded, end - kept, 0, prompt_logprobs=asks, next_token=ids[end])
-        if asks:  # its tokens kept + 1 .. end (the last the next slice's first token)
-            rec.entries += _prompt_entries(jax.device_get(lp[1]), end - kept, rec.ptop)
-        # the slice before this one's row now keeps this one (one row for all its slices), else a row of its own;
-        # pinned until the insert, so that the prompts kept meanwhile cannot evict it (``_unslice``)
-        row = self.prefix.rekey(rec.last, ids[:end]) if rec.last == ids[:kept] else self.prefix.store(ids[:end])
-        if row is not None:
-            self.pool = snapshot(self.pool, self.state, np.int32(slot), np.int32(row))
-        if row is not None or ids[:end] in self.prefix.rows:  # kept now, or already (the state after these tokens:
-            # a request asking for prompt log-probabilities, which looks up its own last slice only, goes on from it)
-            if rec.last is not None and rec.last != ids[:end]:
-                self.prefix.pin(rec.last, on=False)
-            self.prefix.pin(ids[:end])
-            rec.last = ids[:end]
-        self.slices += 1
-        # done before the engine's next launch is dispatched: queued behind it instead, the slice, the pool's copy
-        # and the launch ran slower together (a 512-token slice's pass ~280 ms of the streams' time, ~150 so)
-        jax.block_until_ready((self.state, self.pool))
-        return n - end <= S
-
-    def _unslice(self, slot: int) -> "_Sliced":
-        """Drop ``slot``'s slicing record (its insert ran, was refused, or its request went away) and unpin its last
-        slice: the record (an empty one without)."""
-        rec = self.sliced.pop(slot, None) or _Sliced(0, None, -1)
-        if rec.last is not None:
-            self.prefix.pin(rec.last, on=False)
-        return rec
-
     def _padded(self, ids) -> np.ndarray:
         """``ids`` right-padded into their prompt bucket: int32 [1, P] (what the insert and extension programs
         take)."""
@@ -216,6 +98,7 @@ class Inserts:
 
     def insert(self, slot: int, req: SamplingRequest) -> StepOutput:
         try:
+            self._split(slot, req)
             prep = self._prepare(slot, req)
         except ValueError:
             self._unslice(slot)
@@ -250,6 +133,7 @@ class Inserts:
                 for P in list(waiting):
                     yield from run(waiting.pop(P))
             try:
+                self._split(slot, req)
                 prep = self._prepare(slot, req)
             except ValueError as e:
                 self._unslice(slot)

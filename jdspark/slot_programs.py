@@ -65,7 +65,7 @@ def insert_row(t_graph, d_graph, t_state, d_state, state, slot, prompt_1P, promp
     of each id [V]: ``jdspark.grammar``; state -1 for an unconstrained request; None: the slots carry none),
     ``first_allowed_V`` the ids its first token may be (bool [V], all True but for token healing), ``next_token``
     the token after the prompt that its last position's prompt entry scores (int32, -1: none; a long prompt's first
-    slice, ``jdspark.slot_insert``)."""
+    slice, ``jdspark.slot_slices``)."""
     target, drafter = merge_module(t_graph, t_state), merge_module(d_graph, d_state)
     sp = SamplingParams.rows(temp, top_k, top_p, min_p)
     pen = Penalties.rows(*(penalties_3[j] for j in range(3))) if penalties else None

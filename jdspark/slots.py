@@ -138,7 +138,7 @@ class SlotBackend(StartUp, Inserts):
                  prefill_chunk: Optional[int] = None, multi_step: int = 1,
                  multi_step_max_batch: int = MULTI_STEP_MAX_BATCH,
                  multi_step_plain_max_batch: Optional[int] = None, prefix_pool: Optional[int] = 0,
-                 prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True,
+                 prefix_min_tokens: int = PREFIX_MIN_TOKENS, prefix_answers: bool = True, prefix_split: bool = True,
                  max_logprobs: Optional[int] = None, penalties: bool = False, guided_states: int = 0,
                  guided_classes: int = GUIDED_CLASSES, stop_states: int = STOP_STATES,
                  stop_classes: int = STOP_CLASSES, insert_batch: int = 1, slice_tokens: int = 0):
@@ -218,7 +218,13 @@ class SlotBackend(StartUp, Inserts):
         self.prefix = PrefixPool(prefix_pool, prefix_min_tokens) if prefix_pool else None
         self.pool = pool_like(self.state, prefix_pool) if prefix_pool else None
         self.prefix_answers = bool(prefix_answers)  # keep finished answers while idle (``keep_answer``)
-        # long prompts in slices (``slot_insert.Inserts.prefill_slice``): a prompt whose insert would prefill more
+        # keep the beginning a prompt shares with a kept one on its own, where they part (``Inserts._split``)
+        self.prefix_split = bool(prefix_split)
+        self.splits = 0  # shared beginnings so kept
+        # kept prompt + its next token -> (top, entries of its tokens and that one): the prompt log-probabilities a
+        # request asking for them finds with a kept prompt (``Inserts._keep_entries``)
+        self.kept_entries: dict = {}
+        # long prompts in slices (``slot_slices.Slices.prefill_slice``): a prompt whose insert would prefill more
         # than this many tokens is prefilled this many at a time, into the prefix cache, the engine stepping the
         # other slots between slices (0: off; a prompt bucket; needs the prefix cache). The server's default:
         # ``prefill_slice_plan``
@@ -230,7 +236,7 @@ class SlotBackend(StartUp, Inserts):
                              f"{slice_tokens} with " + ("no prefix cache" if self.prefix is None else
                                                         f"a minimum of {self.prefix.min_tokens}"))
         self.slice_tokens = slice_tokens
-        # slot -> its ``slot_insert._Sliced`` record (what was kept before, its last slice, its prompt entries)
+        # slot -> its ``slot_slices._Sliced`` record (what was kept before, its last slice, its prompt entries)
         self.sliced: dict = {}
         self.slices = 0  # slices prefilled (``prefill_slice``)
         self.answers_kept = 0  # answers prefilled while idle and kept (``idle_step``)
@@ -460,7 +466,7 @@ class SlotBackend(StartUp, Inserts):
         row, kept, ids = plan
         n = len(ids) - kept
         self._extend(0, row, self._padded(ids[kept:]), n, 0)
-        new = self.prefix.store(ids)
+        new = self.prefix.store(ids, answer=True)
         if new is not None:
             self.pool = snapshot(self.pool, self.state, np.int32(0), np.int32(new))
             self.answers_kept += 1

@@ -8,6 +8,7 @@
   python scripts/bench_serve.py --launch --json --request-fields '{"response_format": {"type": "json_object"},
       "ignore_eos": false}'                                             # constrained output's acceptance under load
   python scripts/bench_serve.py --launch --json --turns 4                # conversations (prefix caching's traffic)
+  python scripts/bench_serve.py --launch --json --shared-prefix 384      # one system prompt, many users' messages
   python scripts/bench_serve.py --url http://127.0.0.1:8000 --openai-compatible --json   # another OpenAI server
 
 Each cell runs ``--requests`` streamed completions of the prompts (held-out code by default; ``load_prompts``; the
@@ -32,6 +33,9 @@ to it directly: its cells against ``--launch``'s are what the HTTP layer (and it
 its answer + a ``--message-len`` excerpt of held-out code, sent ``--think-ms`` after the answer), as chat clients
 and coding agents send them; cells add ``ttft_ms_p50_by_turn`` and ``cached_share`` (prompt tokens the server's
 prefix cache served, from ``usage``).
+``--shared-prefix N``: every prompt begins with the same N-token held-out excerpt (a system prompt and tools, a
+few-shot context) before its own; cells add ``ttft_ms`` as ever and ``cached_share`` (run it again with
+``--server-args "--no-prefix-split"`` to see what keeping the shared beginning buys: ``jdspark.slot_slices``).
 Request fields: a ``--prompt-file`` line may carry any request field beside its prompt (``response_format``,
 ``stop``, ``top_k``, ...) or be a chat (``{"messages": [...], "tools": [...], ...}``, streamed from
 ``/v1/chat/completions``; its TTFT and ITL time every chunk that carries output: text, reasoning or a tool call), and
@@ -146,8 +150,10 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
 
     def one(i):
         if messages is None:
-            return [client.request(prompts[i % len(prompts)], max_tokens, temperature, 1000 + i, mode,
-                                   fields[i % len(prompts)] if fields else None)]
+            prompt = prompts[i % len(prompts)]
+            r = client.request(prompt, max_tokens, temperature, 1000 + i, mode, fields[i % len(prompts)] if fields
+                               else None)
+            return [{**r, "prompt_tokens": len(prompt)}]
         return conversation(client, prompts[i % len(prompts)], messages, encode, max_tokens, temperature,
                             1000 + i, mode, think_s)
 
@@ -169,7 +175,7 @@ def run_cell(client, prompts, mode: str, concurrency: int, temperature: float, m
     drafts = d["vllm:spec_decode_num_drafts_total"]
     counted = "vllm:generation_tokens_total" in metrics_after  # a server with vLLM's counters (else no /metrics)
     vcount = d["jdspark:verified_tokens_per_step_count"]
-    turns = {}
+    turns = {"cached_share": sum(r["cached"] for r in res) / sum(r["prompt_tokens"] for r in res)}
     if messages is not None:
         n = len(messages) + 1
         turns = {"turns": n, "ttft_ms_p50_by_turn": [_stats_ms([r["chunks"][0] for r in res
@@ -357,17 +363,22 @@ def first_model(url: str, api_key=None) -> str:
     return models[0]["id"]
 
 
-def launch_args(prompt_len: int, max_tokens: int, turns: int = 1, message_len: int = 0) -> list:
+def launch_args(prompt_len: int, max_tokens: int, turns: int = 1, message_len: int = 0, shared: int = 0) -> list:
     """The server flags a launched run sizes by its traffic, as an operator would: one prompt bucket that holds
     the prompts, and slot caches of the prompt + completion + a verify block (16 covers the drafter's), rounded
     up to 64 positions (a slot's state is copied on every step it runs, so an oversized cache costs time). With
     ``turns`` > 1 (conversations): buckets for the first prompt, for a turn's message (what a hit on a kept answer
     prefills), for its new tokens (an answer, encoded again, + a message: what a hit on the kept prompt prefills;
     16 tokens of slack for the encoding) and for the last turn's whole prompt (what a server without the cache
-    prefills), and caches that hold the last turn's answer."""
+    prefills), and caches that hold the last turn's answer. With ``shared`` (``--shared-prefix``; ``prompt_len`` the
+    whole prompt's): buckets for the shared beginning alone, for the rest after it, and for the whole prompt."""
     def up(n):
         return -(-int(n) // 64) * 64
 
+    if shared:
+        buckets = sorted({up(shared), up(int(prompt_len) - int(shared)), up(prompt_len)})
+        return ["--prompt-buckets", ",".join(map(str, buckets)), "--max-len",
+                str(up(buckets[-1] + int(max_tokens) + 16))]
     if turns <= 1:
         bucket = up(prompt_len)
         return ["--prompt-buckets", str(bucket), "--max-len", str(up(bucket + int(max_tokens) + 16))]
@@ -419,6 +430,9 @@ def main(argv=None) -> int:
                          "cells add each turn's TTFT and the share of prompt tokens the prefix cache served (compare "
                          "--server-args \"--prefix-pool 0\")")
     ap.add_argument("--message-len", type=int, default=48, help="tokens of each turn's new message (--turns > 1)")
+    ap.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                    help="every prompt begins with the same N-token held-out excerpt before its own (a system prompt "
+                         "shared by many users); 0: none")
     ap.add_argument("--think-ms", type=float, default=0.0,
                     help="a conversation's pause between an answer and its next turn (--turns > 1; the server keeps "
                          "the answer while idle, jdspark.prefix); the cell's wall time includes it")
@@ -477,6 +491,14 @@ def main(argv=None) -> int:
     if any(fields) and a.turns > 1:
         ap.error("--turns > 1 continues token-id prompts: not with request fields (--request-fields, a "
                  "--prompt-file line's fields)")
+    if a.shared_prefix:
+        if a.shared_prefix < 1 or a.turns > 1 or a.prompt_file is not None:
+            ap.error(f"--shared-prefix: expected N >= 1 tokens, without --turns or --prompt-file; got "
+                     f"{a.shared_prefix}")
+        shared, _, _ = load_prompts(a.checkpoint, a.prompts + 1, a.shared_prefix + a.prompt_len, "code")
+        shared = shared[-1][:a.shared_prefix]  # from a document after the prompts' (cut round-robin)
+        prompts = [shared + p[1:] for p in prompts]  # each prompt's own BOS dropped: one at the start
+        source["shared_prefix"] = a.shared_prefix
     if common:
         source["request_fields"] = common
     messages = encode = None
@@ -484,7 +506,7 @@ def main(argv=None) -> int:
         msgs, _ = load_prompts(a.checkpoint, a.turns - 1, a.message_len + 1, "code")
         messages = [m[1:] for m in msgs]  # no BOS inside a conversation
         encode = load_encoder(a.checkpoint)
-    sized = launch_args(max(map(len, prompts)), a.max_tokens, a.turns, a.message_len)
+    sized = launch_args(max(map(len, prompts)), a.max_tokens, a.turns, a.message_len, a.shared_prefix)
     proc = None
     if a.launch:
         proc, url = launch(a.checkpoint, a.port, a.slots, extra=sized + server_args)

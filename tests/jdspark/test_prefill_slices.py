@@ -344,15 +344,15 @@ def test_a_long_prompt_s_log_probabilities_come_from_its_slices(pair, backend): 
     assert b.output_ids == list(ref.tokens)
     assert all(ev.prompt_logprobs is None for ev in got[1:])
     _assert_prompt_entries(target, long_, got[0].prompt_logprobs, 2)
-    # the same prompt twice more: the second's slices meet the rows the first's left ([0, 59) and the whole
-    # prompt), whose kept states are theirs too (the state after the same tokens)
+    # the same prompt twice more: the first from its first token, the second from the first's last slice, whose
+    # entries were kept with it (and the entry of the token after it)
     backend.prefix.clear()
     req = SamplingRequest(tuple(long_), 2, prompt_logprobs=1)
-    for _ in range(2):
-        assert [backend.prefill_slice(1, req) for _ in range(4)] == [False, False, False, True]
+    for slices, cached in (([False, False, False, True], 0), ([True], 59)):
+        assert [backend.prefill_slice(1, req) for _ in slices] == slices
         out = backend.insert(1, req)
         backend.free(1)
-        assert out.cached == 0 and not backend.sliced and not backend.prefix.pinned
+        assert out.cached == cached and not backend.sliced and not backend.prefix.pinned
         _assert_prompt_entries(target, long_, out.prompt_logprobs, 1)
     # a slice whose prompt is kept already (here by a request of 16 tokens): it goes on from that row (it looked up
     # its own last slice only, so a slice it did not keep itself would start it over, again and again)
@@ -364,6 +364,7 @@ def test_a_long_prompt_s_log_probabilities_come_from_its_slices(pair, backend): 
     backend.free(1)
     _assert_prompt_entries(target, long_[:40], out.prompt_logprobs, 1)
     # were its last slice gone between slices (the cache cleared), it starts over from its first token
+    backend.prefix.clear()
     assert not backend.prefill_slice(1, req)  # [0, 16)
     backend.prefix.clear()
     assert [backend.prefill_slice(1, req) for _ in range(4)] == [False, False, False, True]  # [0, 16) .. [48, 59)
@@ -371,6 +372,42 @@ def test_a_long_prompt_s_log_probabilities_come_from_its_slices(pair, backend): 
     backend.free(1)
     assert out.cached == 0 and not backend.sliced
     _assert_prompt_entries(target, long_, out.prompt_logprobs, 1)
+
+
+def test_prompt_log_probabilities_of_a_shared_beginning_are_computed_once(pair, backend):  # noqa: F811
+    """lm-eval's loglikelihood of a multiple-choice question: each request is the question + one choice, asking for
+    its prompt's log-probabilities. The second prefills the question but its last token first and keeps it with
+    the entries (and the entry of that token, the same for every choice); the choices after it extend it. Every
+    request's entries equal the one-pass log-softmax; a choice asking more top entries than were kept computes
+    them again (and keeps those); a long one continues in slices from the kept question; a request without
+    log-probabilities finds the kept question as any kept prompt."""
+    target, _, _ = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    question = _prompt(20, V, 31)
+    choices = [[3 + i] + _prompt(4, V, 40 + i)[1:] for i in range(6)]  # first tokens differ: they part at 20
+
+    def ask(prompt, top, slot=0):
+        out = backend.insert(slot, SamplingRequest(tuple(prompt), 0 if top is not None else 2, prompt_logprobs=top))
+        backend.free(slot)
+        assert not backend.sliced and not backend.prefix.pinned
+        if top is not None:
+            _assert_prompt_entries(target, prompt, out.prompt_logprobs, top)
+        return out.cached
+
+    splits = backend.splits
+    assert [ask(question + c, 1) for c in choices[:4]] == [0, 0, 19, 19]
+    assert backend.splits - splits == 1 and tuple(question[:19]) in backend.prefix.rows
+    assert ask(question + choices[4], 2) == 0  # 1 top entry kept, 2 asked: computed again, kept
+    assert ask(question + choices[5], 1) == 19 and backend.splits - splits == 2
+    long_ = question + _prompt(31, V, 50)[1:]  # 50 tokens: one slice [19, 34) from the question, then the insert
+    req = SamplingRequest(tuple(long_), 0, prompt_logprobs=1)
+    assert backend.slices_needed(req) and backend.prefill_slice(1, req)
+    out = backend.insert(1, req)
+    backend.free(1)
+    assert out.cached == 19 and not backend.prefix.pinned
+    _assert_prompt_entries(target, long_, out.prompt_logprobs, 1)
+    assert ask(question + choices[0][:2], None) == 19  # a plain request: any kept prompt
 
 
 def _assert_prompt_entries(target, prompt, plp, top):

@@ -5,6 +5,7 @@ later turns prefilling only their new tokens (one of them longer than the larges
 
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -67,6 +68,27 @@ def test_remembered_answers_are_kept_newest_first_and_in_chunks():
     assert not pool.pending and len(pool) == 0
 
 
+def test_pool_finds_where_prompts_part():
+    """``shared``: the most leading tokens a prompt has in common with a kept prompt (a kept prefix counts whole), at
+    most all but its last token; kept answers (``store(answer=True)``) are not looked at, until a request's prompt
+    is the same sequence."""
+    pool = PrefixPool(4, min_tokens=3)
+    pool.store([1, 2, 3, 4, 5, 6])
+    pool.store([1, 2, 7, 8, 9])
+    queries, hits = pool.queries, pool.hits
+    assert pool.shared([1, 2, 3, 4, 9, 9]) == 4 and pool.shared([1, 2, 7, 0]) == 3
+    assert pool.shared([1, 2, 3]) == 2 and pool.shared([1, 2, 3, 4, 5, 6, 7]) == 6  # all but its last token
+    assert pool.shared([9, 1, 2]) == 0 and pool.shared([]) == 0
+    pool.store([5, 5, 5, 5, 5], answer=True)
+    assert pool.shared([5, 5, 5, 5, 0]) == 0  # a conversation's prompt + answer
+    pool.store([5, 5, 5, 5, 5])  # now a request's prompt
+    assert pool.shared([5, 5, 5, 5, 0]) == 4
+    pool.store([6, 6, 6, 6], answer=True)
+    pool.store([7, 7, 7, 7])  # evicts the least recent ([1..6]); the answer stays an answer
+    assert pool.shared([1, 2, 3, 4, 0]) == 2 and pool.shared([6, 6, 6, 0]) == 0
+    assert (pool.queries, pool.hits) == (queries, hits)  # not a lookup: nothing counted
+
+
 @pytest.fixture(scope="module")
 def backend(pair):  # noqa: F811
     target, drafter, _ = pair
@@ -117,6 +139,55 @@ def test_a_conversation_prefills_only_its_new_tokens(pair, backend, setting):  #
     text = metrics.exposition().decode()
     assert f'vllm:prefix_cache_hits_total{{model_name="m"}} {float(sum(cached))}' in text
     assert f'vllm:prefix_cache_queries_total{{model_name="m"}} {float(total)}' in text
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)])
+def test_prompts_that_share_a_beginning_keep_it_where_they_part(pair, backend, setting):  # noqa: F811
+    """A system prompt then different messages (``Inserts._split``): the first request keeps its whole prompt, the
+    second finds nothing kept but shares 30 tokens with it, so it prefills them first and keeps them, then extends
+    them with its own 9; the third finds those 30 kept. Each output equals batch-1 generate of its whole prompt
+    (greedy, and sampled with its seed); cached tokens 0, 0, 30; the prefix cache's counters count each prompt
+    once. With the split off (``--no-prefix-split``) the same traffic finds nothing kept."""
+    target, drafter, tok = pair
+    rng = np.random.default_rng(11)
+    system = [1] + rng.integers(3, target.config.vocab_size, 29).tolist()
+    prompts = [system + rng.integers(3, target.config.vocab_size, k).tolist() for k in (6, 9, 4)]
+
+    def run(split):
+        backend.prefix.clear()
+        backend.prefix_split, backend.prefix_answers = split, False  # (answers kept would evict, 2 rows)
+        metrics = ServeMetrics("m", max_positions=backend.G + 1)
+        eng = Engine(backend, tok, eos_token_id=target.config.eos_token_id, metrics=metrics).start()
+        splits, cached = backend.splits, []
+        try:
+            for i, prompt in enumerate(prompts):
+                req = _serve(eng, SamplingRequest(tuple(prompt), 16, seed=i, **setting))
+                ref = jdspark.generate(target, drafter, np.array(prompt), max_new_tokens=16, seed=i, eos_token_id=-1,
+                                       **setting)
+                assert req.output_ids == list(ref.tokens), (split, i, req.output_ids, ref.tokens)
+                cached.append(req.cached_tokens)
+        finally:
+            eng.shutdown()
+            backend.prefix_split, backend.prefix_answers = True, True
+        text = metrics.exposition().decode()
+        assert f'vllm:prefix_cache_hits_total{{model_name="m"}} {float(sum(cached))}' in text
+        assert f'vllm:prefix_cache_queries_total{{model_name="m"}} {float(sum(map(len, prompts)))}' in text
+        return cached, backend.splits - splits, set(backend.prefix.rows)
+
+    cached, splits, rows = run(True)
+    assert cached == [0, 0, 30] and splits == 1 and tuple(system) in rows and not backend.prefix.pinned
+    # the kept beginning is the state a prompt of those 30 tokens leaves (target and drafter caches, the first token)
+    row = backend.prefix.rows[tuple(system)]
+    backend.prefix_split = False  # (split, it would keep its first 29 tokens, evicting those 30)
+    backend.insert(0, SamplingRequest(tuple(system), 2))  # kept already: not stored again
+    backend.free(0)
+    backend.prefix_split = True
+    kept, fresh = jax.tree.map(lambda p: p[row], backend.pool), jax.tree.map(lambda s: s[0], backend.state)
+    for part in ("anchor", "cache", "dcache"):
+        for a, b in zip(jax.tree.leaves(getattr(kept, part)), jax.tree.leaves(getattr(fresh, part))):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-6)
+    cached, splits, rows = run(False)
+    assert cached == [0, 0, 0] and splits == 0 and tuple(system) not in rows
 
 
 def test_a_long_prompt_without_a_kept_prefix_is_refused_by_name(pair, backend):  # noqa: F811

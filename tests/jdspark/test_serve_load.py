@@ -271,6 +271,8 @@ def test_bench_serve_sizes_a_launched_server_by_its_traffic():
     # conversations of 4 turns: the first prompt, a turn's message, its new tokens (answer + message + slack), the
     # last prompt
     assert bench_serve.launch_args(128, 128, 4, 48) == ["--prompt-buckets", "64,128,192,704", "--max-len", "896"]
+    # a shared 384-token beginning before 127 tokens of each prompt's own: the beginning, the rest, the whole
+    assert bench_serve.launch_args(511, 128, shared=384) == ["--prompt-buckets", "128,384,512", "--max-len", "704"]
 
 
 def test_bench_serve_prompt_sources(tmp_path, capsys):
