@@ -86,7 +86,9 @@ class Slices:
         Each slice starts from what the cache keeps, not from the slot: a launch of the largest batch bucket steps
         every slot, this one too, and a kept row is copied whole into the slot by the next extension. A prompt of n
         tokens (n > S) is cut as [0, S), [S, 2S), ... up to n - S, then [n - S, n) is the insert's own extension,
-        so every padded slice ends inside the cache (kept + its bucket <= n). The last slice's row is pinned until
+        so every padded slice ends inside the cache (kept + its bucket <= n); a slice ends early where the prompt
+        parts from a kept one (``_part_point``, at least the cache's minimum past what it had kept), so the shared
+        beginning is kept on its own, as ``_split`` keeps it. The last slice's row is pinned until
         the insert (``PrefixPool.pin``: the prompts kept meanwhile evict other rows); were it gone anyway (the cache
         cleared), the next slice starts from the longest prefix still kept: more work, the same prompt.
 
@@ -120,9 +122,19 @@ class Slices:
         if n - kept <= S:
             return True
         end = min(kept + S, n - S)
+        cut = self._part_point(ids, rec.ptop) if self.prefix_split else 0
+        if kept + self.prefix.min_tokens <= cut < end:  # it parts from a kept prompt here: a slice ends there,
+            end = cut  # kept on its own (the next slice's row is a new one), as ``_split`` keeps it
         self._prefill_part(slot, rec, ids, None if hit is None else hit[0], kept, end)
+        if end == cut:
+            rec.own = False
         self.slices += 1
         return n - end <= S
+
+    def _part_point(self, ids: tuple, ptop: int) -> int:
+        """Where ``ids`` parts from the kept prompts (``PrefixPool.shared``), a token before for a request asking for
+        its prompt's entries (the entry of the token after the kept ones is then the same for all that share it)."""
+        return self.prefix.shared(ids) - (ptop >= 0)
 
     def _prefill_part(self, slot: int, rec: "_Sliced", ids: tuple, row: Optional[int], kept: int, end: int) -> None:
         """Prefill prompt tokens ``ids[kept:end]`` into ``slot`` (scratch until its insert), on the kept prompt
@@ -192,9 +204,7 @@ class Slices:
                 return
         if not self.prefix_split:
             return
-        # where prompts part, or (asking for entries) a token before: the entry of the token after the kept ones is
-        # the same for every prompt that begins with them and it
-        L = self.prefix.shared(ids) - (ptop >= 0)
+        L = self._part_point(ids, ptop)
         if L < least or self.extension_bucket(L, n) is None:
             return
         if ptop >= 0:

@@ -410,6 +410,32 @@ def test_prompt_log_probabilities_of_a_shared_beginning_are_computed_once(pair, 
     assert ask(question + choices[0][:2], None) == 19  # a plain request: any kept prompt
 
 
+def test_a_sliced_prompt_keeps_where_it_parts_from_a_kept_one(pair, backend):  # noqa: F811
+    """A prompt prefilled in slices that shares 26 tokens with a kept prompt: its second slice ends at 26 ([16, 26)
+    instead of [16, 32)) and is kept on its own (the next slice takes a new row), so a later prompt that shares
+    those 26 tokens finds them kept; the sliced prompt's tokens equal batch-1 generate's."""
+    target, drafter, _ = pair
+    V = target.config.vocab_size
+    backend.prefix.clear()
+    base = _prompt(26, V, 61)
+    backend.insert(0, SamplingRequest(tuple(base + [5, 6, 7]), 2))
+    backend.free(0)
+    long_ = base + [9] + _prompt(39, V, 62)[1:]  # 65 tokens: [0, 16), [16, 26), [26, 42), [42, 49), then the insert
+    req = SamplingRequest(tuple(long_), 8)
+    assert [backend.prefill_slice(1, req) for _ in range(4)] == [False, False, False, True]
+    out = backend.insert(1, req)
+    toks = list(out.tokens)
+    while len(toks) < 8:
+        toks += backend.step([1])[1].tokens
+    backend.free(1)
+    ref = jdspark.generate(target, drafter, np.array(long_), max_new_tokens=8, eos_token_id=-1)
+    assert toks[:8] == list(ref.tokens) and out.cached == 0
+    assert tuple(base) in backend.prefix.rows and tuple(long_[:49]) in backend.prefix.rows
+    out = backend.insert(0, SamplingRequest(tuple(base + [11, 12, 13]), 2))
+    backend.free(0)
+    assert out.cached == 26
+
+
 def _assert_prompt_entries(target, prompt, plp, top):
     """``plp`` (prompt entries as served: None, then (logprob, top entries, rank) per token) against the log-softmax
     of the target's logits over the whole prompt in one pass."""
