@@ -115,14 +115,14 @@ class PrefixPool:
         its prompt kept), at most len(ids) - 1; 0 with none. Where this is well past ``lookup``'s longest kept
         prefix, the two prompts part after a common beginning (a system prompt and tools, a few-shot context, a
         question before its choices): ``jdspark.slot_slices`` keeps that beginning on its own (``Slices._split``)."""
-        ids_T = np.asarray([int(t) for t in ids], np.int64)
-        best = 0
+        ids = tuple(int(t) for t in ids)
+        ids_T, best = None, 0
         for key in self.rows:
-            if key in self.answers:
+            k = min(len(key), len(ids) - 1)
+            if k <= best or key in self.answers or key[:best + 1] != ids[:best + 1]:  # (cannot share more)
                 continue
-            k = min(len(key), len(ids_T) - 1)
-            if k <= best:
-                continue
+            if ids_T is None:
+                ids_T = np.asarray(ids, np.int64)
             differ = np.flatnonzero(ids_T[:k] != np.asarray(key[:k], np.int64))
             best = max(best, int(differ[0]) if differ.size else k)
         return best
