@@ -207,29 +207,28 @@ class Slices:
         L = self._part_point(ids, ptop)
         if L < least or self.extension_bucket(L, n) is None:
             return
-        if ptop >= 0:
-            hit = self._from_entries(ids, ptop, lambda m: m + least <= L and self.extension_bucket(m, L) is not None)
-            base = None if hit is None else (self.prefix.rows[hit.last], len(hit.last))
-            if base is None and L > self.prompt_buckets[-1]:
-                return
-            rec = self.sliced[slot] = hit or _Sliced(0, None, ptop)
-            self._prefill_part(slot, rec, ids, None if base is None else base[0], 0 if base is None else base[1], L)
-            self.splits += 1
-            return
 
         def part_fits(m):  # tokens m .. L in one program: an extension of the kept m, or (m 0) a prompt bucket
             return L - m >= least and (self.extension_bucket(m, L) is not None if m else L <= self.prompt_buckets[-1])
 
-        longest = self.prefix.lookup(ids, count=False)
-        if longest is not None and not part_fits(longest[1]):  # kept already (nearly) as far as it is shared
-            return
-        base = self.prefix.lookup(ids, part_fits, count=False)
-        if base is None and not part_fits(0):
-            return
-        self._check(req)
-        self._controls(req), self._first(req)  # a bad bias or first-token set is refused before any work
-        before = self.prefix.lookup(ids, lambda m: self.extension_bucket(m, n) is not None)  # counted, as an insert
-        rec = self.sliced[slot] = _Sliced(0 if before is None else before[1], None, -1)
+        if ptop >= 0:  # on a kept prompt whose entries were kept (pinned, its record), or from its first token
+            rec = self._from_entries(ids, ptop, lambda m: m and part_fits(m))
+            base = None if rec is None else (self.prefix.rows[rec.last], len(rec.last))
+            if base is None and not part_fits(0):
+                return
+            rec = rec or _Sliced(0, None, ptop)
+        else:
+            longest = self.prefix.lookup(ids, count=False)
+            if longest is not None and not part_fits(longest[1]):  # kept already (nearly) as far as it is shared
+                return
+            base = self.prefix.lookup(ids, part_fits, count=False)
+            if base is None and not part_fits(0):
+                return
+            self._check(req)
+            self._controls(req), self._first(req)  # a bad bias or first-token set is refused before any work
+            before = self.prefix.lookup(ids, lambda m: self.extension_bucket(m, n) is not None)  # counted, as an insert
+            rec = _Sliced(0 if before is None else before[1], None, -1)
+        self.sliced[slot] = rec
         self._prefill_part(slot, rec, ids, None if base is None else base[0], 0 if base is None else base[1], L)
         self.splits += 1
 
@@ -261,7 +260,7 @@ class Slices:
     def _from_entries(self, ids: tuple, ptop: int, fits) -> Optional["_Sliced"]:
         """A slicing record that starts ``ids`` (``ptop`` >= 0) from the kept prompt ``_entries_kept`` finds
         (pinned until its insert, reported as cached), or None."""
-        if ptop < 0 or self.prefix is None:
+        if ptop < 0:
             return None
         found = self._entries_kept(ids, ptop, fits)
         if found is None:
